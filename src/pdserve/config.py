@@ -1,0 +1,122 @@
+"""Configuration of one pdserve instance, as frozen dataclasses validated on construction.
+
+Built once by the CLI (the only place that reads the environment) or by `pdserve.LLM`; passed down
+to the engine, the TP ranks (pickled) and the connector. Values discovered at run time (the number
+of KV blocks, bytes per block) live in `worker.kv_cache.CacheLayout`, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field}: {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # fixed block count; wins over kv_cache_gib
+    kv_cache_gib: float = 1.0  # per TP rank
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+               "block_size", f"must be a power of two, got {self.block_size}")
+        _check(self.num_blocks is None or self.num_blocks >= 2, "num_blocks",
+               f"must be at least 2, got {self.num_blocks}")
+        _check(self.kv_cache_gib > 0, "kv_cache_gib", f"must be positive, got {self.kv_cache_gib}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+               f"must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    dist_host: str = "127.0.0.1"  # where rank 0 binds the gloo store (port 0, reported to ranks)
+    dist_timeout_s: float = 60.0
+    step_timeout_s: float = 600.0  # a rank that has not answered a step by then is declared dead
+    # Cores each rank is pinned to (rank -> cpus); empty = no pinning.
+    rank_cpus: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self):
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size",
+               f"must be >= 1, got {self.tensor_parallel_size}")
+        _check(not self.rank_cpus or len(self.rank_cpus) == self.tensor_parallel_size, "rank_cpus",
+               "needs one cpu set per rank")
+
+
+FAILURE_POLICIES = ("fail", "recompute")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVTransferConfig:
+    """The P/D connector. Every address a peer uses comes from here (multi-host ready)."""
+
+    side_channel_host: str = "127.0.0.1"  # bind address of the ZMQ listener
+    side_channel_port: int = 0  # 0 = any free port, the bound one is advertised
+    advertised_host: str | None = None  # what consumers dial; defaults to side_channel_host
+    lease_s: float = 30.0
+    handshake_timeout_s: float = 10.0
+    transfer_timeout_s: float = 30.0
+    failure_policy: str = "fail"
+    secret: bytes | None = None  # HMAC key of the side channel
+    backend: str = "UCX"
+
+    def __post_init__(self):
+        _check(self.failure_policy in FAILURE_POLICIES, "kv_load_failure_policy",
+               f"must be one of {FAILURE_POLICIES}, got {self.failure_policy!r}")
+        for name in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):
+            _check(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        _check(0 <= self.side_channel_port < 65536, "side_channel_port",
+               f"out of range: {self.side_channel_port}")
+
+    @property
+    def advertise(self) -> str:
+        host = self.advertised_host or self.side_channel_host
+        _check(host not in ("0.0.0.0", "::"), "advertised_host",
+               "must be set when the side channel binds to a wildcard address")
+        return host
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # defaults to the checkpoint's context
+    num_threads: int | None = None  # torch threads per rank; None = cores available / TP size
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig | None = None
+
+    def __post_init__(self):
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+               f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+               f"must be >= 2, got {self.max_model_len}")
+        _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
+               f"must be >= 1, got {self.num_threads}")
+
+    def threads_per_rank(self) -> int:
+        if self.num_threads is not None:
+            return self.num_threads
+        return max(1, len(os.sched_getaffinity(0)) // self.parallel.tensor_parallel_size)

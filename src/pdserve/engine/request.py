@@ -1,0 +1,93 @@
+"""A request inside the engine and its lifecycle: one enum, with its legal transitions in one place.
+
+Engine process. The scheduler owns requests; a request owns its block ids until it finishes (or, on
+a P/D producer, until its blocks are handed to a lease by the connector).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from pdserve.kv_transfer.params import KVTransferParams
+from pdserve.outputs import TokenLogprob
+from pdserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued for (re)prefill
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # P/D consumer: blocks allocated, KV in flight
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks taken back; will recompute from the start
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+_TRANSITIONS = {
+    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KV} | _FINISHED,
+    RequestStatus.WAITING_FOR_REMOTE_KV: {RequestStatus.RUNNING, RequestStatus.WAITING} | _FINISHED,
+    RequestStatus.RUNNING: {RequestStatus.PREEMPTED} | _FINISHED,
+    RequestStatus.PREEMPTED: {RequestStatus.RUNNING} | _FINISHED,
+}
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...], max_tokens: int,
+                 kv_transfer: KVTransferParams | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens  # resolved against the context length
+        self.stop_token_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_token_ids.update(eos_token_ids)
+        self.kv_transfer = kv_transfer
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # hash chain of this request's full blocks, in order
+        self.arrival_time = time.monotonic()
+        self.sent_to_workers = False  # the sampler on rank 0 knows this request
+        self.handoff_to_decode = False  # P/D producer: finished here, a decode instance continues
+        self.stop_reason: str | int | None = None
+        # detokenization state (see text/detokenizer.py)
+        self.detok = None
+        self.output_text = ""
+        self.num_emitted_chars = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def move_to(self, status: RequestStatus) -> None:
+        if status not in _TRANSITIONS.get(self.status, ()):
+            raise AssertionError(f"request {self.request_id}: illegal {self.status} -> {status}")
+        self.status = status
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens})")

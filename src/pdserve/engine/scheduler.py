@@ -1,0 +1,224 @@
+"""Continuous batching with a token budget per step, chunked prefill, prefix caching and preemption.
+
+Engine process, once per step: `schedule` decides which tokens of which requests the ranks compute,
+`advance` records what was computed. Running requests go first (oldest first), then waiting ones
+while budget, sequence slots and blocks last. When a running request needs a block and none is free,
+the most recently admitted running request is preempted (its blocks freed, recomputed later).
+P/D consumer requests are admitted to WAITING_FOR_REMOTE_KV: blocks allocated, never scheduled until
+the connector reports their KV has arrived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import TYPE_CHECKING
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.worker.messages import NewRequest, SamplingSpec, ScheduledChunk
+
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.scheduler_side import SchedulerConnector
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    new_requests: list[NewRequest]
+    finished_request_ids: list[str]
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool,
+                 connector: "SchedulerConnector | None" = None):
+        self.config = config
+        self.pool = pool
+        self.connector = connector
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []  # since the last step, for the sampler on rank 0
+        self.num_preemptions = 0
+
+    # --- admission and removal ----------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request and release its blocks (a P/D producer's connector may keep them)."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.move_to(status)
+        keep = self.connector is not None and self.connector.request_finished(request)
+        if not keep and request.block_ids:
+            self.pool.release(request.block_ids)
+        request.block_ids = []
+        self.requests.pop(request.request_id, None)
+        if request.sent_to_workers:
+            self._finished_ids.append(request.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        new_requests: list[NewRequest] = []
+        scheduled: set[str] = set()
+        preempted = 0
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self._grow(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted += 1
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            chunks.append(self._chunk(request, num_new, new_requests))
+            scheduled.add(request.request_id)
+            budget -= num_new
+
+        while self.waiting and budget > 0 and not preempted:
+            request = self.waiting[0]
+            if request.status == RequestStatus.WAITING and self.connector is not None \
+                    and self.connector.wants_remote_kv(request):
+                if not self._admit_remote(request):
+                    break
+                continue
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            if not self._admit(request, budget):
+                break
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            chunks.append(self._chunk(request, num_new, new_requests))
+            scheduled.add(request.request_id)
+            budget -= num_new
+
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(chunks, new_requests, finished, preempted)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Record the tokens the ranks just computed."""
+        for chunk in out.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None:
+                continue
+            request.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
+            self.pool.cache_full_blocks(request)
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _chunk(self, request: Request, num_new: int, new_requests: list[NewRequest]) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        if not request.sent_to_workers:
+            request.sent_to_workers = True
+            new_requests.append(NewRequest(request.request_id, _sampling_spec(request)))
+        tokens = request.all_token_ids[start:start + num_new]
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=tokens,
+            start_pos=start,
+            block_ids=list(request.block_ids),
+            sample=start + num_new == request.num_tokens,
+        )
+
+    def _grow(self, request: Request, num_new: int) -> bool:
+        """Make the request's blocks cover its computed tokens plus `num_new`."""
+        needed = self.pool.blocks_needed(request.num_computed_tokens + num_new) - len(request.block_ids)
+        if needed <= 0:
+            return True
+        if needed > self.pool.num_free_blocks:
+            return False
+        request.block_ids.extend(self.pool.allocate(needed))
+        return True
+
+    def _admit(self, request: Request, budget: int) -> bool:
+        hits = self.pool.match_prefix(request)
+        num_cached = len(hits) * self.pool.block_size
+        num_new = request.num_tokens - num_cached
+        if num_new > budget and not self.config.enable_chunked_prefill:
+            return False
+        num_new = min(num_new, budget)
+        self.pool.take(hits)
+        request.block_ids = list(hits)
+        request.num_computed_tokens = num_cached
+        if not self._grow(request, num_new):
+            self.pool.release(request.block_ids)
+            request.block_ids = []
+            request.num_computed_tokens = 0
+            return False
+        if request.status == RequestStatus.WAITING and not request.output_token_ids:
+            request.num_cached_tokens = num_cached
+        self.waiting.popleft()
+        request.move_to(RequestStatus.RUNNING)
+        self.running.append(request)
+        return True
+
+    def _admit_remote(self, request: Request) -> bool:
+        """P/D consumer: allocate the prompt's blocks and hand the request to the connector."""
+        needed = self.pool.blocks_needed(request.num_prompt_tokens)
+        if needed > self.pool.num_free_blocks:
+            return False
+        request.block_ids = self.pool.allocate(needed)
+        self.waiting.popleft()
+        request.move_to(RequestStatus.WAITING_FOR_REMOTE_KV)
+        self.connector.start_load(request)
+        return True
+
+    def remote_kv_loaded(self, request: Request) -> None:
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.pool.cache_full_blocks(request)
+        request.move_to(RequestStatus.RUNNING)
+        self.running.append(request)
+
+    def remote_kv_failed_recompute(self, request: Request) -> None:
+        """Policy `recompute`: drop the (possibly partial) KV and prefill locally, first in line."""
+        self.pool.release(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.move_to(RequestStatus.WAITING)
+        self.waiting.appendleft(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.pool.release(request.block_ids)
+        request.block_ids = []
+        request.block_hashes = []
+        request.num_computed_tokens = 0
+        request.move_to(RequestStatus.PREEMPTED)
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+
+def _sampling_spec(request: Request) -> SamplingSpec:
+    p = request.params
+    presampled = 1 if request.kv_transfer is not None and request.kv_transfer.do_remote_prefill else 0
+    return SamplingSpec(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k if p.top_k > 0 else 0,
+        seed=p.seed,
+        num_logprobs=p.logprobs,
+        num_presampled=presampled,
+    )

@@ -1,0 +1,187 @@
+"""`kv_transfer_params`: the per-request P/D wire (DESIGN §2), parsed once at the HTTP boundary.
+
+Server process. Key names follow vLLM's NIXL connector; `null` means absent. Everything that can be
+checked without talking to the producer is checked here, and each failure names the field, so a bad
+request is a 400 before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from pdserve.model.parallel import check_tp_size
+from pdserve.sampling_params import InvalidRequestError
+
+FIELD = "kv_transfer_params"
+
+
+def prompt_hash(token_ids: list[int]) -> str:
+    """Digest of the prompt token ids; the consumer refuses params whose hash differs from its prompt."""
+    return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()[:32]
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KVTransferParams:
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_block_ids: tuple[int, ...] | None = None
+    remote_request_id: str | None = None
+    tp_size: int | None = None
+    first_token: FirstToken | None = None
+    prompt_hash: str | None = None
+    lease_s: float | None = None
+
+    @classmethod
+    def parse(cls, obj: Any) -> "KVTransferParams | None":
+        """Typed params from the request's JSON object (None or {} -> None)."""
+        if obj is None:
+            return None
+        if not isinstance(obj, dict):
+            raise InvalidRequestError(FIELD, f"must be an object, got {type(obj).__name__}")
+        if not obj:
+            return None
+        p = _Reader(obj)
+        params = cls(
+            do_remote_decode=p.bool("do_remote_decode"),
+            do_remote_prefill=p.bool("do_remote_prefill"),
+            remote_engine_id=p.str("remote_engine_id"),
+            remote_host=p.str("remote_host"),
+            remote_port=p.int("remote_port", lo=1, hi=65535),
+            remote_block_ids=p.int_list("remote_block_ids"),
+            remote_request_id=p.str("remote_request_id"),
+            tp_size=p.int("tp_size", lo=1),
+            first_token=p.first_token(),
+            prompt_hash=p.str("prompt_hash"),
+            lease_s=p.float("lease_s", lo=0.0),
+        )
+        if params.do_remote_decode and params.do_remote_prefill:
+            raise InvalidRequestError(f"{FIELD}.do_remote_prefill",
+                                      "cannot be set together with do_remote_decode")
+        if params.do_remote_prefill:
+            for name in ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids",
+                         "remote_request_id", "tp_size", "first_token_id"):
+                value = params.first_token if name == "first_token_id" else getattr(params, name)
+                if value is None:
+                    raise InvalidRequestError(f"{FIELD}.{name}", "is required with do_remote_prefill")
+        return params
+
+    def check_against(self, prompt_token_ids: list[int], block_size: int, local_tp: int,
+                      num_heads: int, num_kv_heads: int, vocab_size: int) -> None:
+        """Consumer-side checks that need the prompt and the local geometry (still before allocation)."""
+        if not self.do_remote_prefill:
+            return
+        expected = -(-len(prompt_token_ids) // block_size)
+        if len(self.remote_block_ids) != expected:
+            raise InvalidRequestError(
+                f"{FIELD}.remote_block_ids",
+                f"has {len(self.remote_block_ids)} blocks but the prompt of {len(prompt_token_ids)} "
+                f"tokens needs {expected} blocks of {block_size} tokens")
+        if self.prompt_hash is not None and self.prompt_hash != prompt_hash(prompt_token_ids):
+            raise InvalidRequestError(f"{FIELD}.prompt_hash",
+                                      "does not match this request's prompt tokens")
+        try:
+            check_tp_size(self.tp_size, num_heads, num_kv_heads)
+        except ValueError as e:
+            raise InvalidRequestError(f"{FIELD}.tp_size",
+                                      f"producer tp_size={self.tp_size} cannot map onto this model "
+                                      f"(local tp_size={local_tp}): {e}") from None
+        if not 0 <= self.first_token.token_id < vocab_size:
+            raise InvalidRequestError(f"{FIELD}.first_token_id",
+                                      f"{self.first_token.token_id} is outside the vocabulary")
+
+    def to_json(self) -> dict:
+        """The producer's answer (DESIGN §2), JSON-ready."""
+        out = {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "remote_engine_id": self.remote_engine_id,
+            "remote_host": self.remote_host,
+            "remote_port": self.remote_port,
+            "remote_block_ids": list(self.remote_block_ids),
+            "remote_request_id": self.remote_request_id,
+            "tp_size": self.tp_size,
+            "first_token_id": self.first_token.token_id,
+            "prompt_hash": self.prompt_hash,
+            "lease_s": self.lease_s,
+        }
+        if self.first_token.logprob is not None:
+            out["first_token_logprob"] = self.first_token.logprob
+        if self.first_token.top_logprobs is not None:
+            out["first_token_top_logprobs"] = [list(t) for t in self.first_token.top_logprobs]
+        return out
+
+
+class _Reader:
+    """Typed access to the JSON object; every error names `kv_transfer_params.<key>`."""
+
+    def __init__(self, obj: dict):
+        self.obj = obj
+
+    def _get(self, key: str, types: tuple, what: str):
+        value = self.obj.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            raise InvalidRequestError(f"{FIELD}.{key}", f"must be {what}, got {value!r}")
+        return value
+
+    def bool(self, key: str) -> bool:
+        return bool(self._get(key, (bool,), "a boolean"))
+
+    def str(self, key: str) -> str | None:
+        value = self._get(key, (str,), "a string")
+        if value is not None and not value:
+            raise InvalidRequestError(f"{FIELD}.{key}", "must not be empty")
+        return value
+
+    def int(self, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+        value = self._get(key, (int,), "an integer")
+        if value is not None and (lo is not None and value < lo or hi is not None and value > hi):
+            raise InvalidRequestError(f"{FIELD}.{key}", f"out of range: {value}")
+        return value
+
+    def float(self, key: str, lo: float) -> float | None:
+        value = self._get(key, (int, float), "a number")
+        if value is not None and not value > lo:
+            raise InvalidRequestError(f"{FIELD}.{key}", f"must be > {lo}, got {value}")
+        return None if value is None else float(value)
+
+    def int_list(self, key: str) -> tuple[int, ...] | None:
+        value = self._get(key, (list,), "a list of block ids")
+        if value is None:
+            return None
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise InvalidRequestError(f"{FIELD}.{key}", "must contain only integers")
+        if any(v < 0 for v in value):
+            raise InvalidRequestError(f"{FIELD}.{key}", "must not contain negative block ids")
+        if not value:
+            raise InvalidRequestError(f"{FIELD}.{key}", "must not be empty")
+        return tuple(value)
+
+    def first_token(self) -> FirstToken | None:
+        token_id = self.int("first_token_id", lo=0)
+        if token_id is None:
+            return None
+        logprob = self._get("first_token_logprob", (int, float), "a number")
+        top = self._get("first_token_top_logprobs", (list,), "a list of [token id, logprob] pairs")
+        if top is not None:
+            try:
+                top = tuple((int(t), float(lp)) for t, lp in top)
+            except (TypeError, ValueError):
+                raise InvalidRequestError(f"{FIELD}.first_token_top_logprobs",
+                                          "must be a list of [token id, logprob] pairs") from None
+        return FirstToken(token_id, None if logprob is None else float(logprob), top)

@@ -1,0 +1,85 @@
+"""Attention over the paged KV cache (HND layout: [num_blocks, kv_heads, block_size, head_dim]).
+
+Runs in every TP rank, once per layer per step. The step's metadata (which slots to write, which
+blocks each sequence reads, the masks) is built once per step by the model runner and shared by all
+layers; this module only does the math.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class PrefillSeq:
+    """One sequence computing several tokens this step (a prompt, a chunk of one, or a recompute)."""
+
+    start: int  # first row of this sequence in the step's flat token batch
+    num_tokens: int
+    context_len: int  # tokens in the cache once this step's tokens are written
+    block_ids: torch.Tensor  # [blocks covering context_len]
+    mask: torch.Tensor | None  # [num_tokens, context_len] bool, None = plain causal over fresh tokens
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    slot_blocks: torch.Tensor  # [tokens] block id where each token's K/V goes
+    slot_offsets: torch.Tensor  # [tokens] offset inside that block
+    prefills: list[PrefillSeq]
+    decode_start: int  # rows [decode_start, tokens) are single-token decodes
+    decode_block_tables: torch.Tensor | None  # [decodes, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] bool
+
+
+def build_mask(positions: torch.Tensor, context_len: int, sliding_window: int | None) -> torch.Tensor:
+    """[queries, context_len] bool: query at absolute position p sees keys j <= p (and p - j < window)."""
+    keys = torch.arange(context_len)
+    mask = keys[None, :] <= positions[:, None]
+    if sliding_window is not None:
+        mask &= keys[None, :] > positions[:, None] - sliding_window
+    return mask
+
+
+def paged_attention(
+    q: torch.Tensor,  # [tokens, heads, head_dim]
+    k: torch.Tensor,  # [tokens, kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend. Returns [tokens, heads, head_dim]."""
+    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
+    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+    out = torch.empty_like(q)
+    for seq in meta.prefills:
+        rows = slice(seq.start, seq.start + seq.num_tokens)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, tokens, head_dim]
+        if seq.mask is None:  # the whole context is this step's tokens
+            ks = k[rows].transpose(0, 1).unsqueeze(0)
+            vs = v[rows].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        else:
+            ks = _gather(k_cache, seq.block_ids)[None, :, : seq.context_len]
+            vs = _gather(v_cache, seq.block_ids)[None, :, : seq.context_len]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1)
+    if meta.decode_block_tables is not None:
+        rows = slice(meta.decode_start, q.shape[0])
+        qd = q[rows].unsqueeze(2)  # [decodes, heads, 1, head_dim]
+        kd = _gather(k_cache, meta.decode_block_tables)
+        vd = _gather(v_cache, meta.decode_block_tables)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
+        out[rows] = o.squeeze(2)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Blocks -> contiguous keys: [..., kv_heads, blocks * block_size, head_dim]."""
+    blocks = cache[block_ids]  # [..., blocks, kv_heads, block_size, head_dim]
+    blocks = blocks.transpose(-3, -4)  # [..., kv_heads, blocks, block_size, head_dim]
+    shape = blocks.shape
+    return blocks.reshape(*shape[:-3], shape[-3] * shape[-2], shape[-1])

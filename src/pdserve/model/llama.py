@@ -1,0 +1,121 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) with tensor parallelism applied at load.
+
+Runs in every TP rank. Each rank holds its query heads, its KV heads (replicated when TP > KV heads),
+its slice of the MLP, and its slice of the output vocabulary; `o_proj` and `down_proj` all-reduce.
+Weights come from a `get(name)` callable so the same code serves any safetensors layout.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.layers import RotaryEmbedding, rms_norm
+from pdserve.model.parallel import TPGroup, check_tp_size, kv_head_range, shard_range
+from pdserve.model.spec import ModelSpec
+
+WeightGetter = Callable[[str], torch.Tensor]
+
+
+class DecoderLayer:
+    def __init__(self, spec: ModelSpec, tp: TPGroup, get: WeightGetter, prefix: str,
+                 dtype: torch.dtype, rope: RotaryEmbedding):
+        self.spec, self.tp, self.rope = spec, tp, rope
+        d = spec.head_dim
+        self.num_heads = spec.num_heads // tp.size
+        heads = range(tp.rank * self.num_heads, (tp.rank + 1) * self.num_heads)
+        kv_heads = kv_head_range(tp.rank, tp.size, spec.num_kv_heads)
+        self.num_kv_heads = len(kv_heads)
+        q_rows = slice(heads.start * d, heads.stop * d)
+        kv_rows = slice(kv_heads.start * d, kv_heads.stop * d)
+
+        def w(name: str) -> torch.Tensor:
+            return get(f"{prefix}.{name}").to(dtype)
+
+        attn = "self_attn"
+        self.qkv_weight = torch.cat([
+            w(f"{attn}.q_proj.weight")[q_rows],
+            w(f"{attn}.k_proj.weight")[kv_rows],
+            w(f"{attn}.v_proj.weight")[kv_rows],
+        ]).contiguous()
+        self.qkv_bias = None
+        if spec.qkv_bias:
+            self.qkv_bias = torch.cat([
+                w(f"{attn}.q_proj.bias")[q_rows],
+                w(f"{attn}.k_proj.bias")[kv_rows],
+                w(f"{attn}.v_proj.bias")[kv_rows],
+            ]).contiguous()
+        self.o_weight = w(f"{attn}.o_proj.weight")[:, q_rows].contiguous()
+        if spec.qk_norm:
+            self.q_norm = w(f"{attn}.q_norm.weight")
+            self.k_norm = w(f"{attn}.k_norm.weight")
+        lo, hi = shard_range(spec.intermediate_size, tp.rank, tp.size)
+        self.gate_up_weight = torch.cat([
+            w("mlp.gate_proj.weight")[lo:hi], w("mlp.up_proj.weight")[lo:hi],
+        ]).contiguous()
+        self.down_weight = w("mlp.down_proj.weight")[:, lo:hi].contiguous()
+        self.input_norm = w("input_layernorm.weight")
+        self.post_attn_norm = w("post_attention_layernorm.weight")
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        eps = self.spec.rms_norm_eps
+        x = x + self._attention(rms_norm(x, self.input_norm, eps), positions, k_cache, v_cache, meta)
+        h = rms_norm(x, self.post_attn_norm, eps)
+        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
+        return x + self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down_weight))
+
+    def _attention(self, x, positions, k_cache, v_cache, meta):
+        d, num_tokens = self.spec.head_dim, x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        q = q.view(num_tokens, self.num_heads, d)  # [tokens, heads, head_dim]
+        k = k.view(num_tokens, self.num_kv_heads, d)
+        v = v.view(num_tokens, self.num_kv_heads, d)
+        if self.spec.qk_norm:
+            q = rms_norm(q, self.q_norm, self.spec.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, self.spec.rms_norm_eps)
+        q, k = self.rope(positions, q, k)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta)
+        return self.tp.all_reduce(F.linear(o.reshape(num_tokens, -1), self.o_weight))
+
+
+class CausalLM:
+    """Embeddings, decoder layers, final norm and this rank's slice of the LM head."""
+
+    def __init__(self, spec: ModelSpec, tp: TPGroup, get: WeightGetter, dtype: torch.dtype):
+        check_tp_size(tp.size, spec.num_heads, spec.num_kv_heads)
+        self.spec, self.tp, self.dtype = spec, tp, dtype
+        self.rope = RotaryEmbedding(spec.head_dim, spec.max_model_len, spec.rope_theta,
+                                    dict(spec.rope_scaling) or None, dtype)
+        self.embed = get("model.embed_tokens.weight").to(dtype)
+        self.layers = [DecoderLayer(spec, tp, get, f"model.layers.{i}", dtype, self.rope)
+                       for i in range(spec.num_layers)]
+        self.norm = get("model.norm.weight").to(dtype)
+        head = self.embed if spec.tie_word_embeddings else get("lm_head.weight").to(dtype)
+        lo, hi = shard_range(spec.vocab_size, tp.rank, tp.size)
+        per_rank = -(-spec.vocab_size // tp.size)
+        shard = torch.zeros(per_rank, spec.hidden_size, dtype=dtype)  # padded so shards gather evenly
+        shard[: hi - lo] = head[lo:hi]
+        self.lm_head = shard
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [tokens] -> hidden states [tokens, hidden] after the final norm."""
+        x = F.embedding(input_ids, self.embed)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, positions, k_cache, v_cache, meta)
+        return rms_norm(x, self.norm, self.spec.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[rows, hidden] -> float32 logits [rows, vocab] on rank 0, None elsewhere."""
+        logits = self.tp.gather_to_first(F.linear(hidden, self.lm_head))
+        if logits is None:
+            return None
+        return logits[:, : self.spec.vocab_size].float()

@@ -1,0 +1,80 @@
+"""Messages between the engine and its TP ranks (one step down, one report up per rank).
+
+Engine process <-> TP rank processes, msgpack over a pipe. The connector parts are opaque to this
+module: their types live in kv_transfer/messages.py.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.kv_transfer.messages import ConnectorMetadata, ConnectorReport, RankAgent
+
+
+class SamplingSpec(msgspec.Struct, frozen=True):
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    num_logprobs: int | None
+    num_presampled: int = 0  # tokens already drawn elsewhere (the P/D producer's first token)
+
+
+class NewRequest(msgspec.Struct, frozen=True):
+    request_id: str
+    sampling: SamplingSpec
+
+
+class ScheduledChunk(msgspec.Struct, frozen=True):
+    request_id: str
+    token_ids: list[int]  # the tokens whose K/V this step computes
+    start_pos: int  # position of token_ids[0]
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # the last token's logits produce a new token
+
+
+class StepInput(msgspec.Struct, tag="step"):
+    step_id: int
+    chunks: list[ScheduledChunk]
+    new_requests: list[NewRequest]
+    finished_request_ids: list[str]
+    connector: ConnectorMetadata | None = None
+
+
+class SampledToken(msgspec.Struct, frozen=True):
+    request_id: str
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None
+
+
+class StepOutput(msgspec.Struct):
+    rank: int
+    sampled: list[SampledToken]  # rank 0 only
+    connector: ConnectorReport | None = None
+    error: str | None = None
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    reason: str = ""
+
+
+class DebugCall(msgspec.Struct, tag="debug"):
+    """Test hooks run on every rank (e.g. checksum or perturb blocks); never used in serving."""
+
+    name: str
+    args: list = []
+
+
+class DebugResult(msgspec.Struct):
+    rank: int
+    value: object = None
+    error: str | None = None
+
+
+class RankReady(msgspec.Struct):
+    """A spawned rank's first message: loaded and registered, or the reason it could not start."""
+
+    rank: int
+    agent: RankAgent | None = None
+    error: str | None = None

@@ -1,0 +1,79 @@
+"""Turns one step's scheduled chunks into tensors and runs the model over the paged cache.
+
+Runs in every TP rank, once per step. Multi-token chunks (prompts, prompt chunks, recomputes) are
+laid out first, single-token decodes after them, so decodes share one batched attention call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.model.attention import AttentionMetadata, PrefillSeq, build_mask
+from pdserve.model.llama import CausalLM
+from pdserve.worker.kv_cache import KVCache
+from pdserve.worker.messages import ScheduledChunk
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: KVCache):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.layout.block_size
+        self.sliding_window = model.spec.sliding_window
+
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor | None, list[str]]:
+        """Run one step. Returns (logits [sampled rows, vocab] on rank 0, request ids of those rows)."""
+        prefills = [c for c in chunks if len(c.token_ids) > 1]
+        decodes = [c for c in chunks if len(c.token_ids) == 1]
+        ordered = prefills + decodes
+        token_ids, positions = [], []
+        for c in ordered:
+            token_ids.extend(c.token_ids)
+            positions.extend(range(c.start_pos, c.start_pos + len(c.token_ids)))
+        input_ids = torch.tensor(token_ids, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        meta = self._metadata(prefills, decodes, pos)
+        hidden = self.model.forward(input_ids, pos, self.kv_cache.layers, meta)
+        rows, sampled_ids, row = [], [], 0
+        for c in ordered:
+            row += len(c.token_ids)
+            if c.sample:
+                rows.append(row - 1)
+                sampled_ids.append(c.request_id)
+        if not rows:
+            return None, []
+        return self.model.compute_logits(hidden[rows]), sampled_ids
+
+    def _metadata(self, prefills, decodes, pos: torch.Tensor) -> AttentionMetadata:
+        bs = self.block_size
+        slot_blocks, row = [], 0
+        for c in prefills + decodes:
+            for p in range(c.start_pos, c.start_pos + len(c.token_ids)):
+                slot_blocks.append(c.block_ids[p // bs])
+        seqs = []
+        for c in prefills:
+            n = len(c.token_ids)
+            context_len = c.start_pos + n
+            mask = None
+            if c.start_pos > 0 or self.sliding_window is not None:
+                mask = build_mask(pos[row: row + n], context_len, self.sliding_window)
+            blocks = torch.tensor(c.block_ids[: -(-context_len // bs)], dtype=torch.long)
+            seqs.append(PrefillSeq(row, n, context_len, blocks, mask))
+            row += n
+        tables = mask = None
+        if decodes:
+            max_blocks = max(-(-(c.start_pos + 1) // bs) for c in decodes)
+            tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+            for i, c in enumerate(decodes):
+                n = -(-(c.start_pos + 1) // bs)
+                tables[i, :n] = torch.tensor(c.block_ids[:n])
+            positions = pos[row:]
+            mask = build_mask(positions, max_blocks * bs, self.sliding_window)[:, None, None, :]
+        return AttentionMetadata(
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long),
+            slot_offsets=pos % bs,
+            prefills=seqs,
+            decode_start=row,
+            decode_block_tables=tables,
+            decode_mask=mask,
+        )

@@ -1,0 +1,77 @@
+"""Token sampling on TP rank 0: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Runs in rank 0 only, once per step. Sampling draws one exponential vector per sampled token
+(`argmax(p / q)`, q ~ Exp(1)), so a seeded request consumes its generator identically whether it runs
+alone, batched, after preemption, or continues from a P/D producer's first token (`num_presampled`).
+Logprobs are those of the raw model output, before temperature and truncation, as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.worker.messages import SampledToken, SamplingSpec
+
+_GREEDY_EPS = 1e-5
+
+
+class Sampler:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.specs: dict[str, SamplingSpec] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self.shared = torch.Generator()
+        self.shared.seed()
+
+    def add(self, request_id: str, spec: SamplingSpec) -> None:
+        self.specs[request_id] = spec
+        if spec.seed is not None and spec.temperature >= _GREEDY_EPS:
+            g = torch.Generator().manual_seed(spec.seed)
+            for _ in range(spec.num_presampled):
+                self._noise(g)
+            self.generators[request_id] = g
+
+    def remove(self, request_id: str) -> None:
+        self.specs.pop(request_id, None)
+        self.generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str]) -> list[SampledToken]:
+        """logits: [rows, vocab] float32, one row per request id."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, rid in enumerate(request_ids):
+            spec = self.specs[rid]
+            if spec.temperature >= _GREEDY_EPS:
+                tokens[i] = self._sample_row(logits[i], spec, self.generators.get(rid, self.shared))
+        token_lp = logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        max_n = max((self.specs[r].num_logprobs or 0) for r in request_ids)
+        top = None
+        if max_n:
+            values, indices = logprobs.topk(max_n, dim=-1)
+            top = (indices.tolist(), values.tolist())
+        out = []
+        for i, rid in enumerate(request_ids):
+            n = self.specs[rid].num_logprobs
+            tops = None
+            if n is not None:
+                tops = list(zip(top[0][i][:n], top[1][i][:n])) if n else []
+            out.append(SampledToken(rid, tokens[i], token_lp[i], tops))
+        return out
+
+    def _noise(self, g: torch.Generator) -> torch.Tensor:
+        return torch.empty(self.vocab_size).exponential_(generator=g)
+
+    def _sample_row(self, row: torch.Tensor, spec: SamplingSpec, g: torch.Generator) -> int:
+        row = row / spec.temperature
+        if 0 < spec.top_k < row.shape[-1]:
+            kth = row.topk(spec.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if spec.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
+            drop = before >= spec.top_p
+            drop[0] = False
+            probs = probs.clone()
+            probs[order[drop]] = 0.0
+        return int((probs / self._noise(g)).argmax())

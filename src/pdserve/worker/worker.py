@@ -1,0 +1,135 @@
+"""One TP rank: its model shard, its KV cache, its sampler (rank 0) and its half of the connector.
+
+Rank 0 lives in the engine process; ranks 1..N-1 run `rank_main` in child processes spawned by the
+executor. A rank executes exactly what the engine's `StepInput` says and reports back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+import msgspec
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.model.loader import load_model
+from pdserve.model.parallel import TPGroup, make_group
+from pdserve.model.spec import ModelSpec, resolve_dtype
+from pdserve.worker.kv_cache import CacheLayout, KVCache
+from pdserve.worker.messages import (DebugCall, DebugResult, RankReady, Shutdown, StepInput,
+                                     StepOutput)
+from pdserve.worker.model_runner import ModelRunner
+from pdserve.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int, num_blocks: int, engine_id: str,
+                 store_port: int = 0, store=None):
+        self.config, self.rank = config, rank
+        torch.set_num_threads(config.threads_per_rank())
+        tp_size = config.parallel.tensor_parallel_size
+        self.tp: TPGroup = make_group(rank, tp_size, config.parallel.dist_host, store_port,
+                                      config.parallel.dist_timeout_s, store)
+        spec = ModelSpec.from_dir(config.model)
+        dtype = resolve_dtype(config.dtype, spec)
+        self.model = load_model(config.model, spec, self.tp, dtype)
+        layout = CacheLayout(
+            num_layers=spec.num_layers, num_blocks=num_blocks,
+            num_kv_heads=self.model.layers[0].num_kv_heads, block_size=config.cache.block_size,
+            head_dim=spec.head_dim, dtype_bytes=torch.empty(0, dtype=dtype).element_size())
+        self.kv_cache = KVCache(layout, dtype)
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.sampler = Sampler(spec.vocab_size) if rank == 0 else None
+        self.connector = None
+        if config.kv_transfer is not None:
+            from pdserve.kv_transfer.worker_side import WorkerConnector
+            self.connector = WorkerConnector(config.kv_transfer, spec, rank, tp_size,
+                                             self.kv_cache, engine_id)
+
+    def rank_agent(self):
+        return self.connector.rank_agent() if self.connector else None
+
+    def execute(self, step: StepInput) -> StepOutput:
+        if self.connector is not None and step.connector is not None:
+            self.connector.start_step(step.connector)
+        if self.sampler is not None:
+            for rid in step.finished_request_ids:
+                self.sampler.remove(rid)
+            for new in step.new_requests:
+                self.sampler.add(new.request_id, new.sampling)
+        sampled = []
+        if step.chunks:
+            logits, request_ids = self.runner.execute(step.chunks)
+            if self.sampler is not None and request_ids:
+                sampled = self.sampler.sample(logits, request_ids)
+        report = self.connector.report() if self.connector is not None else None
+        return StepOutput(rank=self.rank, sampled=sampled, connector=report)
+
+    def debug(self, call: DebugCall) -> DebugResult:
+        if call.name == "checksum":
+            return DebugResult(self.rank, self.kv_cache.checksum(call.args[0]))
+        if call.name == "perturb":  # add noise to the given blocks' K/V (tests prove KV is used)
+            with torch.inference_mode():
+                blocks = torch.tensor(call.args[0], dtype=torch.long)
+                self.kv_cache.buffer[:, :, blocks] += float(call.args[1])
+            return DebugResult(self.rank)
+        if call.name == "loaded_peers":
+            return DebugResult(self.rank, self.connector.loaded_peers() if self.connector else [])
+        return DebugResult(self.rank, error=f"unknown debug call {call.name!r}")
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
+
+
+_decoder = msgspec.msgpack.Decoder(StepInput | Shutdown | DebugCall)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def die_with_parent() -> None:
+    """PR_SET_PDEATHSIG: the kernel kills this process when the thread that spawned it exits."""
+    parent = os.getppid()
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def rank_main(config: EngineConfig, rank: int, num_blocks: int, engine_id: str, store_port: int,
+              conn: Connection) -> None:
+    """Entry point of TP ranks 1..N-1 (spawned). Answers every step on `conn` until told to stop."""
+    die_with_parent()
+    if config.parallel.rank_cpus:
+        os.sched_setaffinity(0, config.parallel.rank_cpus[rank])
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    try:
+        worker = Worker(config, rank, num_blocks, engine_id, store_port)
+    except Exception:
+        conn.send_bytes(_encoder.encode(RankReady(rank, error=traceback.format_exc())))
+        sys.exit(1)
+    conn.send_bytes(_encoder.encode(RankReady(rank, agent=worker.rank_agent())))
+    try:
+        while True:
+            try:
+                msg = _decoder.decode(conn.recv_bytes())
+            except EOFError:
+                break
+            if isinstance(msg, Shutdown):
+                break
+            if isinstance(msg, DebugCall):
+                conn.send_bytes(_encoder.encode(worker.debug(msg)))
+                continue
+            try:
+                out = worker.execute(msg)
+            except Exception:
+                out = StepOutput(rank, [], error=traceback.format_exc())
+            conn.send_bytes(_encoder.encode(out))
+    finally:
+        worker.close()
