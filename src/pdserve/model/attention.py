@@ -31,7 +31,7 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     decode_start: int  # rows [decode_start, tokens) are single-token decodes
     decode_block_tables: torch.Tensor | None  # [decodes, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] bool
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] bool (True = attend)
 
 
 def build_mask(positions: torch.Tensor, context_len: int, sliding_window: int | None) -> torch.Tensor:
@@ -69,17 +69,41 @@ def paged_attention(
         out[rows] = o[0].transpose(0, 1)
     if meta.decode_block_tables is not None:
         rows = slice(meta.decode_start, q.shape[0])
-        qd = q[rows].unsqueeze(2)  # [decodes, heads, 1, head_dim]
-        kd = _gather(k_cache, meta.decode_block_tables)
-        vd = _gather(v_cache, meta.decode_block_tables)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
-        out[rows] = o.squeeze(2)
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, meta.decode_block_tables,
+                                      meta.decode_mask)
     return out
 
 
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query per sequence. The gathered blocks stay in cache order ([blocks, kv_heads, slot]);
+    one batched matmul scores every query head against every gathered row (the cross-head products
+    are cheap next to a transposing copy of K and V), and the matching heads are picked out by a
+    diagonal view. q: [seqs, heads, head_dim] -> [seqs, heads, head_dim]."""
+    seqs, num_heads, head_dim = q.shape
+    _, kv_heads, block_size, _ = k_cache.shape
+    group = num_heads // kv_heads
+    nb = tables.shape[1]
+    flat = tables.reshape(-1)
+    k = torch.index_select(k_cache, 0, flat).view(seqs, nb * kv_heads * block_size, head_dim)
+    v = torch.index_select(v_cache, 0, flat).view(seqs, nb * kv_heads * block_size, head_dim)
+    scores = torch.bmm(k, q.transpose(1, 2) * head_dim ** -0.5)  # [seqs, rows, heads]
+    scores = scores.view(seqs, nb, kv_heads, block_size, kv_heads, group)
+    scores = scores.diagonal(dim1=2, dim2=4)  # [seqs, nb, block_size, group, kv_heads]
+    scores = scores.permute(0, 4, 3, 1, 2).reshape(seqs, kv_heads, group, nb * block_size)
+    scores = scores.float().masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(seqs, kv_heads, group, nb, block_size)
+    spread = torch.zeros(seqs, kv_heads, group, nb, kv_heads, block_size, dtype=q.dtype)
+    spread.diagonal(dim1=1, dim2=4).copy_(probs.permute(0, 2, 3, 4, 1))
+    return torch.bmm(spread.view(seqs, num_heads, -1), v)  # heads ordered (kv head, group)
+
+
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Blocks -> contiguous keys: [..., kv_heads, blocks * block_size, head_dim]."""
-    blocks = cache[block_ids]  # [..., blocks, kv_heads, block_size, head_dim]
-    blocks = blocks.transpose(-3, -4)  # [..., kv_heads, blocks, block_size, head_dim]
-    shape = blocks.shape
-    return blocks.reshape(*shape[:-3], shape[-3] * shape[-2], shape[-1])
+    """Blocks -> keys in order, without a second copy: block_ids [blocks] gives
+    [kv_heads, blocks * block_size, head_dim]; block_ids [seqs, blocks] gives a strided view
+    [seqs, kv_heads, blocks * block_size, head_dim]."""
+    heads, block_size, head_dim = cache.shape[1:]
+    gathered = cache.transpose(0, 1)[:, block_ids]  # [kv_heads, (seqs,) blocks, block_size, head_dim]
+    if block_ids.dim() == 1:
+        return gathered.view(heads, -1, head_dim)
+    return gathered.view(heads, block_ids.shape[0], -1, head_dim).transpose(0, 1)

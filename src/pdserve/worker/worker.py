@@ -30,10 +30,20 @@ from pdserve.worker.sampler import Sampler
 logger = logging.getLogger(__name__)
 
 
+def tune_allocator() -> None:
+    """Keep freed memory in the heap instead of returning it to the kernel: every step allocates
+    the same large temporaries, and fresh mmap pages cost a page fault each (measured: 4x on the
+    KV gather of a batch-32 decode step)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int, num_blocks: int, engine_id: str,
                  store_port: int = 0, store=None):
         self.config, self.rank = config, rank
+        tune_allocator()
         torch.set_num_threads(config.threads_per_rank())
         tp_size = config.parallel.tensor_parallel_size
         self.tp: TPGroup = make_group(rank, tp_size, config.parallel.dist_host, store_port,

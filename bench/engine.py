@@ -1,0 +1,144 @@
+"""Engine throughput on the `small` model, beside transformers and the memory-bandwidth bound.
+
+    .venv/bin/python bench/engine.py [--model DIR] [--threads N] [--out bench/results/engine.json]
+
+Decode: tokens/s at batch 1, 8 and 32 (128-token prompts, 64 new tokens, prefill excluded).
+Prefill: tokens/s for one 2,048-token prompt. The bound is the bytes one decode step must read
+(every weight once, plus the batch's KV) over a memcpy bandwidth measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve.cli import ensure_model  # noqa: E402
+
+PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 128, 64, 2048
+
+
+def memcpy_gbps(size_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    src = torch.ones(size_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return size_bytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(7, vocab) for _ in range(length - 1)] for _ in range(batch)]
+
+
+def pdserve_decode(llm: LLM, batch: int, vocab: int) -> float:
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, p in enumerate(prompts(batch, PROMPT_LEN, vocab, seed=batch)):
+        engine.add_request(f"decode-{batch}-{i}", p, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+        engine.step()  # prefill (and the first token) is not decode
+    generated, t = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+    return generated / (time.perf_counter() - t)
+
+
+def pdserve_prefill(llm: LLM, vocab: int) -> float:
+    p = prompts(1, PREFILL_LEN, vocab, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.engine.pool.reset_prefix_cache()
+    return PREFILL_LEN / _timed(lambda: llm.generate(p, params))
+
+
+def hf_decode(model, batch: int, vocab: int) -> float:
+    ids = torch.tensor(prompts(batch, PROMPT_LEN, vocab, seed=batch))
+    mask = torch.ones_like(ids)
+
+    def gen(n: int):
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+    gen(2)
+    t_first = min(_timed(lambda: gen(1)) for _ in range(2))
+    t_all = _timed(lambda: gen(NEW_TOKENS))
+    return batch * (NEW_TOKENS - 1) / (t_all - t_first)
+
+
+def hf_prefill(model, vocab: int) -> float:
+    ids = torch.tensor(prompts(1, PREFILL_LEN, vocab, seed=7))
+    with torch.no_grad():
+        model(ids[:, :64])
+        return PREFILL_LEN / _timed(lambda: model(ids))
+
+
+def step_bytes(llm: LLM, batch: int) -> int:
+    """Bytes a decode step must read: every weight but the embedding table once, plus the KV of
+    the batch at the average context of the decode phase."""
+    spec, elem = llm.engine.spec, torch.empty(0, dtype=llm.engine.dtype).element_size()
+    h, d = spec.hidden_size, spec.head_dim
+    per_layer = h * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.num_heads * d * h \
+        + 3 * h * spec.intermediate_size + 2 * h
+    weights = spec.num_layers * per_layer + spec.vocab_size * h + h
+    kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * d
+    avg_context = PROMPT_LEN + NEW_TOKENS / 2
+    return (weights + batch * avg_context * kv_per_token) * elem
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--threads", type=int, default=len(__import__("os").sched_getaffinity(0)))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.json"))
+    args = parser.parse_args()
+    model_dir = ensure_model(args.model, "small")
+    torch.set_num_threads(args.threads)
+    bw = memcpy_gbps()
+    llm = LLM(model_dir, num_threads=args.threads, num_blocks=4096, max_num_seqs=64,
+              max_num_batched_tokens=2048, dtype="float32")
+    vocab = llm.engine.spec.vocab_size
+    pdserve_decode(llm, 1, vocab)  # warm-up
+    results = {"memcpy_gbps": round(bw, 2), "threads": args.threads, "decode": {}}
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for batch in (1, 8, 32):
+        ours = pdserve_decode(llm, batch, vocab)
+        theirs = hf_decode(hf, batch, vocab)
+        bound = batch / (step_bytes(llm, batch) / (bw * 1e9))
+        results["decode"][batch] = {
+            "pdserve_tok_s": round(ours, 1), "transformers_tok_s": round(theirs, 1),
+            "bound_tok_s": round(bound, 1), "vs_transformers": round(ours / theirs, 2),
+            "fraction_of_bound": round(ours / bound, 3)}
+    results["prefill_2048"] = {"pdserve_tok_s": round(pdserve_prefill(llm, vocab), 1),
+                               "transformers_tok_s": round(hf_prefill(hf, vocab), 1)}
+    llm.shutdown()
+
+    print(f"memcpy {bw:.1f} GB/s, {args.threads} threads, model {model_dir}")
+    print("batch | pdserve tok/s | transformers tok/s | ratio | bound tok/s | of bound")
+    for batch, r in results["decode"].items():
+        print(f"{batch:5} | {r['pdserve_tok_s']:13} | {r['transformers_tok_s']:18} | "
+              f"{r['vs_transformers']:5} | {r['bound_tok_s']:11} | {r['fraction_of_bound']:.0%}")
+    p = results["prefill_2048"]
+    print(f"prefill 2048 tokens: pdserve {p['pdserve_tok_s']} tok/s, "
+          f"transformers {p['transformers_tok_s']} tok/s")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
