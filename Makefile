@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/pdserve generate --prompt "The prefill server sends the cache to"
+	$(VENV)/bin/pdserve up --port 0 --ask "The prefill server sends the cache to" --exit
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -q

@@ -12,6 +12,9 @@ import os
 import sys
 from pathlib import Path
 
+from pdserve.config import (CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig,
+                            ProxyConfig, SchedulerConfig, ServerConfig)
+
 
 def default_model_dir(preset: str = "small") -> Path:
     home = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
@@ -53,6 +56,101 @@ def _generate(args) -> int:
     return 0
 
 
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="fixed KV block count per rank")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV budget per rank")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads per rank (default: this process's cores / TP size)")
+    p.add_argument("--cpus", default=None, help="cores for this instance, e.g. 0-3 or 0,2")
+    p.add_argument("--no-kv-transfer", action="store_true", help="start without the P/D connector")
+    p.add_argument("--side-channel-host", default="127.0.0.1")
+    p.add_argument("--side-channel-port", type=int, default=0)
+    p.add_argument("--advertised-host", default=None,
+                   help="host decode instances dial for this producer (multi-host)")
+    p.add_argument("--kv-lease-s", type=float, default=30.0)
+    p.add_argument("--kv-handshake-timeout-s", type=float, default=10.0)
+    p.add_argument("--kv-transfer-timeout-s", type=float, default=30.0)
+    p.add_argument("--kv-load-failure-policy", default="fail", choices=["fail", "recompute"])
+
+
+def parse_cpus(spec: str | None) -> tuple[int, ...]:
+    if not spec:
+        return ()
+    cpus: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(cpus)
+
+
+def engine_config(args) -> EngineConfig:
+    kv = None
+    if not args.no_kv_transfer:
+        secret = os.environ.get("PDSERVE_KV_SECRET")
+        kv = KVTransferConfig(
+            side_channel_host=args.side_channel_host, side_channel_port=args.side_channel_port,
+            advertised_host=args.advertised_host, lease_s=args.kv_lease_s,
+            handshake_timeout_s=args.kv_handshake_timeout_s,
+            transfer_timeout_s=args.kv_transfer_timeout_s,
+            failure_policy=args.kv_load_failure_policy,
+            secret=secret.encode() if secret else None)
+    cpus = parse_cpus(args.cpus)
+    tp = args.tensor_parallel_size
+    rank_cpus = ()
+    if cpus and len(cpus) >= tp:  # one slice of the instance's cores per rank
+        per = len(cpus) // tp
+        rank_cpus = tuple(tuple(cpus[r * per:(r + 1) * per]) for r in range(tp))
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+        num_threads=args.num_threads,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                          kv_cache_gib=args.kv_cache_gib,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens),
+        parallel=ParallelConfig(tensor_parallel_size=tp, rank_cpus=rank_cpus),
+        kv_transfer=kv)
+
+
+def _serve(args) -> int:
+    from pdserve.server.runner import run_server
+    args.model = ensure_model(args.model)
+    cpus = parse_cpus(args.cpus)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    server = ServerConfig(
+        host=args.host, port=args.port, served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"), max_pending=args.max_pending,
+        shutdown_timeout_s=args.shutdown_timeout_s, port_file=args.port_file,
+        enable_debug_endpoints=args.enable_debug_endpoints)
+    run_server(server, engine_config(args), args.log_level.upper())
+    return 0
+
+
+def _proxy(args) -> int:
+    from pdserve.proxy.runner import run_proxy
+    config = ProxyConfig(
+        prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), host=args.host,
+        port=args.port, api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"),
+        upstream_api_key=args.upstream_api_key or os.environ.get("PDSERVE_UPSTREAM_API_KEY"),
+        port_file=args.port_file)
+    run_proxy(config, args.log_level.upper())
+    return 0
+
+
+def _up(args) -> int:
+    from pdserve.launcher import run_up
+    args.model = ensure_model(args.model)
+    return run_up(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO")
@@ -78,6 +176,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-threads", type=int, default=None)
     p.set_defaults(func=_generate)
 
+    p = sub.add_parser("serve", help="run one OpenAI-compatible instance")
+    p.add_argument("model", nargs="?", default=None, help="model directory (default: generated small)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed)")
+    p.add_argument("--port-file", default=None, help="write the bound port here as JSON")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=None, help="also read from PDSERVE_API_KEY")
+    p.add_argument("--max-pending", type=int, default=1024)
+    p.add_argument("--shutdown-timeout-s", type=float, default=10.0)
+    p.add_argument("--enable-debug-endpoints", action="store_true", help=argparse.SUPPRESS)
+    add_engine_args(p)
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("proxy", help="route each request P -> D (xPyD, round-robin)")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port-file", default=None)
+    p.add_argument("--api-key", default=None, help="clients must send it (also PDSERVE_API_KEY)")
+    p.add_argument("--upstream-api-key", default=None,
+                   help="sent to the instances (also PDSERVE_UPSTREAM_API_KEY)")
+    p.set_defaults(func=_proxy)
+
+    p = sub.add_parser("up", help="start a local P/D deployment: prefill, decode and proxy")
+    p.add_argument("model", nargs="?", default=None, help="model directory (default: generated small)")
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill instances")
+    p.add_argument("--prefill-tp", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1, help="number of decode instances")
+    p.add_argument("--decode-tp", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="the proxy's port (0 = any free port)")
+    p.add_argument("--prefill-cpus", default=None,
+                   help="cores per prefill instance, ';'-separated (default: the host's split evenly)")
+    p.add_argument("--decode-cpus", default=None, help="cores per decode instance, ';'-separated")
+    p.add_argument("--ask", default=None, help="send this prompt through the proxy once all is up")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--exit", action="store_true", help="stop everything after answering --ask")
+    p.add_argument("--log-dir", default=None, help="instance logs (default: a temporary directory)")
+    p.add_argument("--instance-args", default="", help="extra arguments for every `pdserve serve`")
+    p.set_defaults(func=_up)
     return parser
 
 

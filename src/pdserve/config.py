@@ -120,3 +120,39 @@ class EngineConfig:
         if self.num_threads is not None:
             return self.num_threads
         return max(1, len(os.sched_getaffinity(0)) // self.parallel.tensor_parallel_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 = any free port (the bound one is printed and written to port_file)
+    served_model_name: str | None = None  # defaults to the model directory's name
+    api_key: str | None = None
+    max_pending: int = 1024  # in-flight HTTP requests before 503
+    shutdown_timeout_s: float = 10.0
+    port_file: str | None = None
+    enable_debug_endpoints: bool = False  # tests only: KV checksums, loaded peers
+
+    def __post_init__(self):
+        _check(0 <= self.port < 65536, "port", f"out of range: {self.port}")
+        _check(self.max_pending >= 1, "max_pending", f"must be >= 1, got {self.max_pending}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxyConfig:
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # what clients must present to the proxy
+    upstream_api_key: str | None = None  # what the proxy presents to the instances
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0
+    port_file: str | None = None
+
+    def __post_init__(self):
+        _check(len(self.prefill_urls) >= 1, "prefill", "needs at least one prefill URL")
+        _check(len(self.decode_urls) >= 1, "decode", "needs at least one decode URL")
+        for url in (*self.prefill_urls, *self.decode_urls):
+            _check(url.startswith(("http://", "https://")), "prefill/decode",
+                   f"URL must start with http:// or https://, got {url!r}")

@@ -12,6 +12,7 @@ import os
 import socket
 import time
 import uuid
+from typing import Callable
 
 import torch
 
@@ -65,6 +66,9 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.pool, self.connector)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._pending: list[RequestOutput] = []  # produced outside a step (first tokens, failures)
+        # Called from other threads when work arrives for the engine (a side-channel reply); the
+        # loop that drives the engine replaces it with a way to end its sleep.
+        self.wake: Callable[[], None] = lambda: None
         self._step_id = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
@@ -138,6 +142,13 @@ class Engine:
                                            num_prompt_tokens=request.num_prompt_tokens))
         return True
 
+    def finish_aborted(self, request: Request) -> None:
+        """End a request whose abort had to wait for its in-flight KV reads."""
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self._pending.append(RequestOutput(request.request_id, [], "", None, finished=True,
+                                           finish_reason="abort",
+                                           num_prompt_tokens=request.num_prompt_tokens))
+
     def fail_request(self, request: Request, message: str) -> None:
         """End one request with an error the client sees (the engine goes on)."""
         self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
@@ -178,12 +189,9 @@ class Engine:
                 continue
             lp = TokenLogprob(token.token_id, token.logprob, token.top_logprobs) \
                 if request.logprobs is not None else None
-            out, status = self.output_processor.append(request, token.token_id, lp)
+            hand_off = self.connector is not None and self.connector.is_producer(request)
+            out, status = self.output_processor.append(request, token.token_id, lp, hand_off)
             self.num_generated_tokens += 1
-            if status is None and self.connector is not None \
-                    and self.connector.is_producer(request):
-                request.handoff_to_decode = True  # the decode instance takes it from here
-                status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self.scheduler.finish(request, status)
                 if self.connector is not None:
@@ -199,8 +207,9 @@ class Engine:
 
     # --- introspection ----------------------------------------------------------------------------
 
-    def stats(self) -> dict:
-        return {
+    def stats(self, drain: bool = False) -> dict:
+        """Counts for /metrics; `drain` also hands over the connector's new per-transfer records."""
+        stats = {
             "num_running": len(self.scheduler.running),
             "num_waiting": sum(1 for r in self.scheduler.waiting),
             "num_waiting_for_remote_kv": sum(
@@ -213,6 +222,9 @@ class Engine:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
         }
+        if self.connector is not None:
+            stats["kv_transfer"] = self.connector.stats(drain)
+        return stats
 
     def shutdown(self) -> None:
         if self.connector is not None:

@@ -1,7 +1,8 @@
 """Turns each sampled token into a `RequestOutput` delta and decides whether the request is done.
 
 Engine process, once per sampled token. Stop rules, in order: a stop token id (EOS unless
-`ignore_eos`), `max_tokens` / the context length, then stop strings on the detokenized text.
+`ignore_eos`), stop strings on the detokenized text, `max_tokens` / the context length, then the
+P/D hand-off (a producer's request ends after its first token).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ class OutputProcessor:
         request.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                request.params.skip_special_tokens)
 
-    def append(self, request: Request, token_id: int, logprob: TokenLogprob | None
-               ) -> tuple[RequestOutput, RequestStatus | None]:
-        """Add one generated token. Returns the delta and the finished status (None: continue)."""
+    def append(self, request: Request, token_id: int, logprob: TokenLogprob | None,
+               hand_off: bool = False) -> tuple[RequestOutput, RequestStatus | None]:
+        """Add one generated token. Returns the delta and the finished status (None: continue).
+        `hand_off`: a P/D producer stops after its first token unless a rule above already did."""
         request.output_token_ids.append(token_id)
         if request.logprobs is not None and logprob is not None:
             request.logprobs.append(logprob)
@@ -43,6 +45,9 @@ class OutputProcessor:
             status = RequestStatus.FINISHED_STOPPED
         elif len(request.output_token_ids) >= request.max_tokens \
                 or request.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        elif hand_off:
+            request.handoff_to_decode = True  # the decode instance continues from here
             status = RequestStatus.FINISHED_LENGTH
         if status is not None and not isinstance(request.stop_reason, str):
             request.output_text += request.detok.flush()  # a stop string already cut the text

@@ -99,6 +99,7 @@ class ReadFailure(msgspec.Struct, frozen=True):
     engine_id: str
     reason: str
     peer_gone: bool  # the producer is unreachable: evict it so the next request handshakes again
+    in_doubt: bool = False  # a READ timed out and may still land: quarantine the local blocks
 
 
 class ReadDone(msgspec.Struct, frozen=True):
@@ -128,7 +129,7 @@ class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply"):
 
     version: int
     engine_id: str
-    fingerprint: Fingerprint
+    fingerprint: Fingerprint | None = None
     payload: bytes = b""  # msgpack HandshakePayload
     error: str = ""
 

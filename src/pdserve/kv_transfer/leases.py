@@ -1,0 +1,136 @@
+"""Producer-side leases: who holds which blocks for a remote reader, until when (DESIGN §5).
+
+Engine process of a producer. Shared by two threads under one lock: the side-channel thread renews
+(heartbeats) and releases (consumer gave up); the engine thread records rank notifications, expires
+leases and frees blocks. A lease is freed when every expected (consumer rank, producer rank) read
+has been notified (a set: duplicates cannot free early), on release, or on expiry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+
+from pdserve.kv_transfer.messages import Notification, NotificationKind
+from pdserve.kv_transfer.topology import expected_reads
+
+
+class LeaseState(enum.Enum):
+    HELD = "held"
+    DONE = "done"  # every expected read notified: free now
+    RELEASED = "released"  # the consumer gave up: free now
+    EXPIRED = "expired"  # no heartbeat in time: quarantine, then free
+
+
+_TRANSITIONS = {LeaseState.HELD: {LeaseState.DONE, LeaseState.RELEASED, LeaseState.EXPIRED}}
+
+
+@dataclasses.dataclass
+class Lease:
+    request_id: str
+    block_ids: list[int]
+    deadline: float
+    state: LeaseState = LeaseState.HELD
+    consumer_engine_id: str | None = None
+    expected: frozenset[tuple[int, int]] | None = None
+    received: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+
+    def move_to(self, state: LeaseState) -> None:
+        assert state in _TRANSITIONS.get(self.state, ()), f"lease {self.request_id}: {self.state} -> {state}"
+        self.state = state
+
+    def bind(self, consumer_engine_id: str, consumer_tp: int, producer_tp: int, num_kv_heads: int) -> bool:
+        """The first consumer to speak for this lease owns it; others are refused."""
+        if self.consumer_engine_id is None:
+            self.consumer_engine_id = consumer_engine_id
+            self.expected = expected_reads(producer_tp, consumer_tp, num_kv_heads)
+        return self.consumer_engine_id == consumer_engine_id
+
+
+class LeaseTable:
+    def __init__(self, lease_s: float, producer_tp: int, num_kv_heads: int):
+        self.lease_s = lease_s
+        self.producer_tp = producer_tp
+        self.num_kv_heads = num_kv_heads
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self.num_expired = 0
+        self.num_released = 0
+        self.num_ignored = 0
+        self.num_heartbeats = 0
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def add(self, request_id: str, block_ids: list[int], now: float) -> Lease:
+        with self._lock:
+            lease = Lease(request_id, list(block_ids), now + self.lease_s)
+            self._leases[request_id] = lease
+            return lease
+
+    def heartbeat(self, consumer_engine_id: str, consumer_tp: int, request_ids: list[str],
+                  now: float) -> list[bool]:
+        """Renew each lease still held for this consumer; False for unknown or lost ones."""
+        alive = []
+        with self._lock:
+            self.num_heartbeats += 1
+            for rid in request_ids:
+                lease = self._leases.get(rid)
+                ok = lease is not None and lease.state == LeaseState.HELD and lease.bind(
+                    consumer_engine_id, consumer_tp, self.producer_tp, self.num_kv_heads)
+                if ok:
+                    lease.deadline = now + self.lease_s
+                alive.append(ok)
+        return alive
+
+    def release(self, consumer_engine_id: str, request_ids: list[str]) -> int:
+        n = 0
+        with self._lock:
+            for rid in request_ids:
+                lease = self._leases.get(rid)
+                if lease is not None and lease.state == LeaseState.HELD and \
+                        lease.consumer_engine_id in (None, consumer_engine_id):
+                    lease.move_to(LeaseState.RELEASED)
+                    self.num_released += 1
+                    n += 1
+        return n
+
+    def notify(self, producer_rank: int, note: Notification) -> bool:
+        """Record one rank's notification. False when it is unknown, late or from another consumer."""
+        with self._lock:
+            lease = self._leases.get(note.producer_request_id)
+            if lease is None or lease.state != LeaseState.HELD or not lease.bind(
+                    note.consumer_engine_id, note.consumer_tp_size, self.producer_tp, self.num_kv_heads):
+                self.num_ignored += 1
+                return False
+            if note.kind == NotificationKind.ABORT:
+                lease.move_to(LeaseState.RELEASED)
+                self.num_released += 1
+                return True
+            pair = (note.consumer_rank, producer_rank)
+            if pair not in lease.expected:
+                self.num_ignored += 1
+                return False
+            lease.received.add(pair)
+            if lease.received >= lease.expected:
+                lease.move_to(LeaseState.DONE)
+            return True
+
+    def collect(self, now: float) -> tuple[list[Lease], list[Lease]]:
+        """Remove and return (leases to free now, leases that expired)."""
+        free, expired = [], []
+        with self._lock:
+            for rid, lease in list(self._leases.items()):
+                if lease.state == LeaseState.HELD and lease.deadline <= now:
+                    lease.move_to(LeaseState.EXPIRED)
+                    self.num_expired += 1
+                if lease.state in (LeaseState.DONE, LeaseState.RELEASED):
+                    free.append(self._leases.pop(rid))
+                elif lease.state == LeaseState.EXPIRED:
+                    expired.append(self._leases.pop(rid))
+        return free, expired
+
+    def next_deadline(self) -> float | None:
+        with self._lock:
+            return min((l.deadline for l in self._leases.values()), default=None)

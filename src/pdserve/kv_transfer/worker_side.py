@@ -1,0 +1,228 @@
+"""The worker side of the KV connector: one per TP rank, with the one thread that makes NIXL calls.
+
+TP rank process. Registers the rank's cache once; per step takes the engine's metadata (peers to
+load, reads to post) and hands back what finished (reads done or failed, notifications received).
+The NIXL thread polls every 0.2 ms while its own READs are in flight, every 1 ms while the engine
+holds leased blocks (a READ only progresses while its target calls into NIXL), and otherwise sleeps
+until the next step brings work: an idle rank costs no CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+
+import msgspec
+import numpy as np
+
+from pdserve.config import KVTransferConfig
+from pdserve.kv_transfer.descriptors import RegionTable, build_descriptors
+from pdserve.kv_transfer.messages import (ConnectorMetadata, ConnectorReport, Notification,
+                                          NotificationKind, PeerAgents, RankAgent, ReadDone,
+                                          ReadFailure, ReadSpec, ReceivedNotification)
+from pdserve.kv_transfer.topology import read_plan
+from pdserve.model.spec import ModelSpec
+from pdserve.transport.nixl_agent import NixlAgent, TransferError
+from pdserve.worker.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+READ_POLL_S = 0.0002
+LEASE_POLL_S = 0.001
+_notification_encoder = msgspec.msgpack.Encoder()
+_notification_decoder = msgspec.msgpack.Decoder(Notification)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    spec: ReadSpec
+    handles: list  # one READ per producer rank
+    started: float
+    num_bytes: int
+    num_descriptors: int
+    failed: str | None = None
+    peer_gone: bool = False
+
+
+class WorkerConnector:
+    def __init__(self, config: KVTransferConfig, spec: ModelSpec, rank: int, tp_size: int,
+                 kv_cache: KVCache, engine_id: str):
+        self.config = config
+        self.rank = rank
+        self.tp_size = tp_size
+        self.num_kv_heads = spec.num_kv_heads
+        layout = kv_cache.layout
+        self.local = RegionTable(tuple(kv_cache.region_addresses()), layout.block_bytes,
+                                 layout.head_bytes, layout.num_kv_heads, layout.num_blocks)
+        self.agent = NixlAgent(f"{engine_id}/rank{rank}", config.backend)
+        self.agent.register(kv_cache.base_address, layout.total_bytes, str(kv_cache.buffer.device))
+        self._rank_agent = RankAgent(rank, self.agent.name, self.agent.metadata(),
+                                     list(self.local.region_addresses), layout.num_blocks,
+                                     layout.num_kv_heads, layout.block_bytes, layout.head_bytes)
+        self._inbox: queue.SimpleQueue[ConnectorMetadata | None] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._report = ConnectorReport()
+        # NIXL-thread state
+        self._peers: dict[str, tuple[int, dict[int, tuple[str, RegionTable]]]] = {}
+        self._inflight: list[_InFlight] = []
+        self._polling = False
+        self._consumer_engine_id = engine_id
+        self._thread = threading.Thread(target=self._run, name=f"pdserve-nixl-rank{rank}", daemon=True)
+        self._thread.start()
+
+    # --- worker thread --------------------------------------------------------------------------
+
+    def rank_agent(self) -> RankAgent:
+        return self._rank_agent
+
+    def start_step(self, meta: ConnectorMetadata) -> None:
+        self._inbox.put(meta)
+        self._wake.set()
+
+    def report(self) -> ConnectorReport:
+        with self._lock:
+            report, self._report = self._report, ConnectorReport()
+        report.loaded_peers = self.loaded_peers()
+        return report
+
+    def loaded_peers(self) -> list[str]:
+        return sorted(f"{e}/rank{r}" for e, (_, ranks) in list(self._peers.items()) for r in ranks)
+
+    def close(self) -> None:
+        self._inbox.put(None)
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self.agent.close()
+
+    # --- the NIXL thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            if self._inflight:
+                timeout = READ_POLL_S
+            elif self._polling:
+                timeout = LEASE_POLL_S
+            else:
+                timeout = None  # nothing live: sleep until the next step
+            self._wake.wait(timeout)
+            self._wake.clear()
+            while True:
+                try:
+                    meta = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if meta is None:
+                    return
+                try:
+                    self._apply(meta)
+                except Exception:  # noqa: BLE001 - never lose the thread
+                    logger.exception("rank %d: bad connector metadata", self.rank)
+            if self._inflight:
+                self._progress()
+            if self._inflight or self._polling:
+                self._collect_notifications()
+
+    def _apply(self, meta: ConnectorMetadata) -> None:
+        self._consumer_engine_id = meta.consumer_engine_id
+        self._polling = meta.poll_notifications
+        for engine_id in meta.evict_peers:
+            entry = self._peers.pop(engine_id, None)
+            for name, _ in (entry[1].values() if entry else ()):
+                self.agent.remove_peer(name)
+        for peer in meta.load_peers:
+            self._load_peer(peer)
+        for spec in meta.reads:
+            self._post(spec)
+
+    def _load_peer(self, peer: PeerAgents) -> None:
+        needed = {s.producer_rank for s in read_plan(peer.tp_size, self.tp_size, self.num_kv_heads)[self.rank]}
+        ranks = {}
+        for ra in peer.ranks:
+            if ra.rank not in needed:
+                continue  # another of our ranks reads from it
+            name = self.agent.add_peer(ra.agent_metadata)
+            ranks[ra.rank] = (name, RegionTable(tuple(ra.region_addresses), ra.block_bytes,
+                                                ra.head_bytes, ra.num_kv_heads, ra.num_blocks))
+        self._peers[peer.engine_id] = (peer.tp_size, ranks)
+
+    def _post(self, spec: ReadSpec) -> None:
+        now = time.monotonic()
+        if now > spec.deadline:
+            return self._fail(spec, "the producer's lease would end before the READ (deadline passed)")
+        entry = self._peers.get(spec.engine_id)
+        if entry is None:
+            return self._fail(spec, f"producer {spec.engine_id} is not loaded on rank {self.rank}",
+                              peer_gone=True)
+        tp_size, ranks = entry
+        by_rank: dict[int, list] = {}
+        for s in read_plan(spec.remote_tp_size, self.tp_size, self.num_kv_heads)[self.rank]:
+            name, remote = ranks[s.producer_rank]
+            by_rank.setdefault(s.producer_rank, []).append(build_descriptors(
+                self.local, remote, s, spec.local_block_ids, spec.remote_block_ids))
+        read = _InFlight(spec, [], now, 0, 0)
+        for p_rank, parts in by_rank.items():
+            local = np.concatenate([l for l, _ in parts])
+            remote = np.concatenate([r for _, r in parts])
+            note = Notification(spec.remote_request_id, self._consumer_engine_id, self.rank,
+                                self.tp_size, NotificationKind.DONE)
+            try:
+                handle = self.agent.read(ranks[p_rank][0], local, remote,
+                                         _notification_encoder.encode(note))
+            except TransferError as e:
+                read.failed, read.peer_gone = str(e), True
+                break
+            read.handles.append(handle)
+            read.num_bytes += int(local[:, 1].sum())
+            read.num_descriptors += len(local)
+        self._inflight.append(read)
+        self._progress()
+
+    def _progress(self) -> None:
+        now = time.monotonic()
+        still = []
+        for read in self._inflight:
+            states = [self.agent.state(h) for h in read.handles]
+            if "ERR" in states and read.failed is None:
+                read.failed, read.peer_gone = "the producer went away or the READ failed", True
+            timed_out = now - read.started > self.config.transfer_timeout_s
+            if "PROC" in states and not timed_out:
+                still.append(read)
+                continue
+            for h in read.handles:
+                self.agent.release(h)
+            if timed_out and "PROC" in states:
+                self._fail(read.spec, f"READ timed out after {self.config.transfer_timeout_s:g} s",
+                           peer_gone=True, in_doubt=True)
+            elif read.failed:
+                self._fail(read.spec, read.failed, peer_gone=read.peer_gone)
+            else:
+                with self._lock:
+                    self._report.done.append(ReadDone(read.spec.request_id, read.num_bytes,
+                                                      read.num_descriptors, now - read.started))
+        self._inflight = still
+
+    def _fail(self, spec: ReadSpec, reason: str, peer_gone: bool = False, in_doubt: bool = False) -> None:
+        with self._lock:
+            self._report.failed.append(ReadFailure(spec.request_id, spec.engine_id, reason,
+                                                   peer_gone, in_doubt))
+
+    def _collect_notifications(self) -> None:
+        try:
+            notes = self.agent.notifications()
+        except Exception as e:  # noqa: BLE001
+            logger.warning("rank %d: reading notifications failed: %s", self.rank, e)
+            return
+        received = []
+        for sender, messages in notes.items():
+            for raw in messages:
+                try:
+                    received.append(ReceivedNotification(self.rank, _notification_decoder.decode(raw)))
+                except msgspec.DecodeError:
+                    logger.warning("rank %d: undecodable notification from %s", self.rank, sender)
+        if received:
+            with self._lock:
+                self._report.notifications.extend(received)

@@ -1,0 +1,218 @@
+"""A local P/D deployment as processes: prefill and decode instances, then the proxy.
+
+CLI process (`pdserve up`) and tests. Each instance is a `pdserve serve` in its own process group on
+port 0 (the bound port comes back through a port file), pinned to its own cores; every child dies
+with this process (PR_SET_PDEATHSIG) and `stop` kills the groups, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+@dataclasses.dataclass
+class Instance:
+    role: str  # "prefill", "decode" or "proxy"
+    args: list[str]
+    cpus: tuple[int, ...] = ()
+    proc: subprocess.Popen | None = None
+    port: int | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def split_cores(cores: list[int], num_instances: int) -> list[tuple[int, ...]]:
+    """An even, disjoint share of the cores per instance; shared round-robin when there are fewer
+    cores than instances."""
+    if num_instances <= len(cores):
+        per = len(cores) // num_instances
+        return [tuple(cores[i * per:(i + 1) * per]) for i in range(num_instances)]
+    return [(cores[i % len(cores)],) for i in range(num_instances)]
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
+
+
+class Deployment:
+    def __init__(self, model: str, prefill_tp: list[int], decode_tp: list[int],
+                 instance_args: list[str] | None = None, proxy_port: int = 0,
+                 prefill_cpus: list[tuple[int, ...]] | None = None,
+                 decode_cpus: list[tuple[int, ...]] | None = None,
+                 log_dir: str | None = None, env: dict | None = None):
+        cores = sorted(os.sched_getaffinity(0))
+        shares = split_cores(cores, len(prefill_tp) + len(decode_tp))
+        prefill_cpus = prefill_cpus or shares[:len(prefill_tp)]
+        decode_cpus = decode_cpus or shares[len(prefill_tp):]
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, **(env or {})}
+        extra = list(instance_args or [])
+        self.instances: list[Instance] = []
+        for role, tps, cpus in (("prefill", prefill_tp, prefill_cpus), ("decode", decode_tp, decode_cpus)):
+            for tp, cpu in zip(tps, cpus):
+                threads = max(1, len(cpu) // tp)
+                args = ["serve", model, "--port", "0", "--tensor-parallel-size", str(tp),
+                        "--num-threads", str(threads), "--cpus", ",".join(map(str, cpu)), *extra]
+                self.instances.append(Instance(role, args, cpu))
+        self.proxy_port = proxy_port
+        self.proxy: Instance | None = None
+
+    @property
+    def prefill(self) -> list[Instance]:
+        return [i for i in self.instances if i.role == "prefill"]
+
+    @property
+    def decode(self) -> list[Instance]:
+        return [i for i in self.instances if i.role == "decode"]
+
+    def start(self, timeout_s: float = 180.0) -> "Deployment":
+        try:
+            for inst in self.instances:
+                self._spawn(inst, len([i for i in self.instances if i.proc]))
+            for inst in self.instances:
+                self._wait_healthy(inst, timeout_s)
+            proxy_args = ["proxy", "--port", str(self.proxy_port),
+                          "--prefill", *[i.url for i in self.prefill],
+                          "--decode", *[i.url for i in self.decode]]
+            self.proxy = Instance("proxy", proxy_args)
+            self._spawn(self.proxy, 0)
+            self._wait_healthy(self.proxy, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, inst: Instance, index: int) -> None:
+        port_file = self.log_dir / f"{inst.role}-{index}-{os.getpid()}-{time.monotonic_ns()}.port"
+        inst.log_path = self.log_dir / f"{inst.role}-{index}.log"
+        cmd = [sys.executable, "-m", "pdserve.cli", *inst.args, "--port-file", str(port_file)]
+        log = open(inst.log_path, "ab")
+        inst.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        log.close()
+        inst.port_file = port_file
+
+    def _wait_healthy(self, inst: Instance, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if inst.proc.poll() is not None:
+                raise RuntimeError(f"{inst.role} exited with {inst.proc.returncode}; log: "
+                                   f"{inst.log_path}\n{_tail(inst.log_path)}")
+            if inst.port is None and inst.port_file.exists():
+                inst.port = json.loads(inst.port_file.read_text())["port"]
+            if inst.port is not None and _http_ok(inst.url + "/health"):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"{inst.role} not healthy within {timeout_s:.0f} s; log: {inst.log_path}")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        procs = [i.proc for i in [*( [self.proxy] if self.proxy else []), *self.instances] if i.proc]
+        for p in procs:
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+    def kill(self, inst: Instance) -> None:
+        """Fault tests: the instance dies at once (no graceful shutdown)."""
+        _signal_group(inst.proc, signal.SIGKILL)
+        inst.proc.wait()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def run_up(args) -> int:
+    """`pdserve up`: start, print the proxy URL, optionally ask once, stop on Ctrl-C."""
+    from pdserve.cli import parse_cpus
+
+    def cpu_list(spec):
+        return [parse_cpus(part) for part in spec.split(";")] if spec else None
+    dep = Deployment(args.model, [args.prefill_tp] * args.prefill, [args.decode_tp] * args.decode,
+                     instance_args=shlex.split(args.instance_args), proxy_port=args.port,
+                     prefill_cpus=cpu_list(args.prefill_cpus), decode_cpus=cpu_list(args.decode_cpus),
+                     log_dir=args.log_dir)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        dep.start()
+        for inst in dep.instances:
+            print(f"{inst.role:8} {inst.url}  cores {','.join(map(str, inst.cpus))}  log {inst.log_path}")
+        print(f"proxy    {dep.proxy.url}/v1  (Ctrl-C stops everything)", flush=True)
+        if args.ask:
+            _ask(dep.proxy.url, args.ask, args.max_tokens)
+            if args.exit:
+                return 0
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+        return 0
+    finally:
+        dep.stop()
+
+
+def _ask(url: str, prompt: str, max_tokens: int) -> None:
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    print(f"prompt: {prompt!r}\nanswer: ", end="", flush=True)
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    print(f"\nerror: {chunk['error']['message']}")
+                    return
+                for choice in chunk.get("choices", []):
+                    print(choice.get("text", ""), end="", flush=True)
+    print(flush=True)

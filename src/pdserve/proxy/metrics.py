@@ -1,0 +1,30 @@
+"""Prometheus metrics of the proxy: latency as the client sees it (DESIGN §8). Proxy process."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+            5.0, 10.0, 20.0, 40.0)
+
+
+class ProxyMetrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("pdserve_proxy:time_to_first_token_seconds",
+                              "Time to the first streamed token.", buckets=_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_proxy:time_per_output_token_seconds",
+                              "Mean time per output token after the first.", buckets=_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_proxy:inter_token_latency_seconds",
+                             "Time between streamed events.", buckets=_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_proxy:e2e_request_latency_seconds", "End-to-end latency.",
+                             buckets=_BUCKETS, registry=r)
+        self.prefill = Histogram("pdserve_proxy:prefill_latency_seconds",
+                                 "Time for the prefill instance to answer.", buckets=_BUCKETS, registry=r)
+        self.requests = Counter("pdserve_proxy:requests", "Requests by outcome.", ["outcome"],
+                                registry=r)
+        self.upstream_errors = Counter("pdserve_proxy:upstream_errors",
+                                       "Upstream failures by role.", ["role"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,42 @@
+"""One upstream instance as the proxy sees it: a pooled HTTP client with bounded timeouts.
+
+Proxy process. One `httpx.AsyncClient` per upstream, reused by every request.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+
+class UpstreamError(RuntimeError):
+    """The upstream could not be reached or broke the connection (the proxy answers 502)."""
+
+
+class Upstream:
+    def __init__(self, url: str, api_key: str | None, connect_timeout_s: float, timeout_s: float):
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(
+            base_url=self.url, headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+
+    async def post_json(self, path: str, body: dict, headers: dict) -> httpx.Response:
+        try:
+            return await self.client.post(path, json=body, headers=headers)
+        except httpx.HTTPError as e:
+            raise UpstreamError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
+
+    def stream(self, path: str, body: dict, headers: dict):
+        """Async context manager yielding the streaming response."""
+        return self.client.stream("POST", path, json=body, headers=headers)
+
+    async def healthy(self) -> bool:
+        try:
+            r = await self.client.get("/health", timeout=2.0)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def close(self) -> None:
+        await self.client.aclose()

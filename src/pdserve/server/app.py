@@ -1,0 +1,153 @@
+"""The OpenAI-compatible server of one instance: app factory and routes.
+
+Server process. Routes are thin: parse (pydantic), hand to the serving layer, map errors. The engine
+starts in the background so `/health` answers 503 until it is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import hmac
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pdserve.config import EngineConfig, ServerConfig
+from pdserve.sampling_params import InvalidRequestError
+from pdserve.server.async_engine import AsyncEngine, EngineDeadError
+from pdserve.server.errors import APIError, validation_error
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pdserve.server.serving import InFlight
+from pdserve.server.serving_chat import ChatServing
+from pdserve.server.serving_completion import CompletionServing
+
+logger = logging.getLogger("pdserve.server")
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+
+class RequestIdFilter(logging.Filter):
+    """Puts the current request id on every log record (`%(request_id)s`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id_var.get()
+        return True
+
+
+def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
+    model_name = server.served_model_name or Path(engine_config.model).name
+    engine = AsyncEngine(engine_config)
+    metrics = ServerMetrics(model_name)
+    inflight = InFlight(server.max_pending)
+    completions = CompletionServing(engine, model_name, metrics, inflight)
+    chat = ChatServing(engine, model_name, metrics, inflight)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        starting = asyncio.create_task(engine.start())
+        starting.add_done_callback(_log_start)
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+
+    @app.middleware("http")
+    async def request_context(request: Request, call_next):
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id_var.set(rid)
+        request.state.request_id = rid
+        if server.api_key and request.url.path.startswith("/v1"):
+            auth = request.headers.get("authorization", "")
+            if not hmac.compare_digest(auth.encode(), f"Bearer {server.api_key}".encode()):
+                return APIError(401, "missing or invalid API key").response({"X-Request-Id": rid})
+        start = time.monotonic()
+        response = await call_next(request)
+        response.headers["X-Request-Id"] = rid
+        if request.url.path.startswith("/v1"):
+            logger.info("%s %s -> %d in %.3f s", request.method, request.url.path,
+                        response.status_code, time.monotonic() - start)
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        metrics.errors.labels(model_name, str(e.status)).inc()
+        if e.status >= 500:
+            logger.error("request failed: %s", e.message)
+        return e.response({"X-Request-Id": request.state.request_id})
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(request: Request, e: InvalidRequestError):
+        return await api_error(request, APIError.bad_request(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, e: RequestValidationError):
+        return await api_error(request, validation_error(e.errors()))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, e: EngineDeadError):
+        return await api_error(request, APIError(503, f"engine unavailable: {e}"))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):
+        logger.exception("unexpected error")
+        return await api_error(request, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    @app.get("/health")
+    async def health():
+        if engine.is_ready:
+            return Response(status_code=200)
+        status = "failed: " + engine.error if engine.error else "starting"
+        return APIError(503, f"engine {status}").response()
+
+    @app.get("/v1/models")
+    async def models():
+        max_len = engine.engine.max_model_len if engine.is_ready else None
+        return ModelList(data=[ModelCard(id=model_name, root=engine_config.model,
+                                         max_model_len=max_len)]).model_dump()
+
+    @app.get("/metrics")
+    async def prometheus():
+        if engine.is_ready:
+            metrics.update_engine(await engine.call(lambda e: e.stats(drain=True)))
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request):
+        _require_ready(engine)
+        return await completions.create(body, request.state.request_id, request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        _require_ready(engine)
+        return await chat.create(body, request.state.request_id, request)
+
+    if server.enable_debug_endpoints:
+        from pdserve.server.debug import add_debug_routes
+        add_debug_routes(app, engine)
+    return app
+
+
+def _require_ready(engine: AsyncEngine) -> None:
+    if not engine.is_ready:
+        raise APIError(503, "engine is " + (f"down: {engine.error}" if engine.error else "starting"))
+
+
+def _log_start(task: asyncio.Task) -> None:
+    if task.cancelled():
+        return
+    if task.exception() is not None:
+        logger.error("engine failed to start: %s", task.exception())
+    else:
+        logger.info("engine ready")

@@ -1,0 +1,196 @@
+"""The asyncio bridge to the engine: the engine and its step loop live in one dedicated thread.
+
+Server process. Handlers call `add_request` (awaits the engine's validation, then returns a stream
+of `RequestOutput` deltas) and `abort`; the event loop never waits on a model step. The thread
+creates the engine itself, so the TP ranks (which die with the thread that spawned them) live exactly
+as long as the loop. When the loop sleeps it blocks on its command queue; a pending P/D transfer
+makes it wake up as often as the connector asks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from typing import AsyncIterator, Callable
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 1.0  # longest sleep of an idle loop (lease and quarantine timers need no finer)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class RequestStream:
+    """Deltas of one request, in order; ends after the finished delta (or an engine failure)."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.engine: Engine | None = None
+        self.error: str | None = None
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self, timeout_s: float = 600.0) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+        ready = await asyncio.to_thread(self._ready.wait, timeout_s)
+        if self.error:
+            raise EngineDeadError(self.error)
+        if not ready:
+            raise EngineDeadError(f"engine did not start within {timeout_s:.0f} s")
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and self.error is None and self._thread.is_alive()
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        self._commands.put(None)
+        await asyncio.to_thread(self._thread.join, timeout_s)
+
+    # --- requests -------------------------------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params,
+                          kv_transfer=None) -> RequestStream:
+        """Validated by the engine before this returns (InvalidRequestError propagates)."""
+        if not self.is_ready:
+            raise EngineDeadError(self.error or "engine is not running")
+        stream = RequestStream(request_id)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def add():
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params, kv_transfer)
+                self._streams[request_id] = stream
+                done.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
+        self._commands.put(add)
+        await asyncio.wrap_future(done)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Fire and forget; the engine frees the request's blocks on its next turn."""
+        self._commands.put(lambda: self.engine.abort(request_id))
+
+    async def call(self, fn: Callable[[Engine], object]):
+        """Run `fn(engine)` on the engine thread (stats, debug hooks) and return its result."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run():
+            try:
+                done.set_result(fn(self.engine))
+            except BaseException as e:  # noqa: BLE001
+                done.set_exception(e)
+        self._commands.put(run)
+        return await asyncio.wrap_future(done)
+
+    # --- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = Engine(self.config)
+        except BaseException as e:  # noqa: BLE001
+            logger.exception("engine failed to start")
+            self.error = f"engine failed to start: {e}"
+            self._ready.set()
+            return
+        self.engine.wake = lambda: self._commands.put(_noop)
+        self._ready.set()
+        try:
+            self._loop_forever()
+        except BaseException as e:  # noqa: BLE001
+            logger.exception("engine loop died")
+            self.error = f"engine loop died: {e}"
+            self._fail_all(EngineDeadError(self.error))
+        finally:
+            self.engine.shutdown()
+
+    def _loop_forever(self) -> None:
+        engine = self.engine
+        while True:
+            timeout = 0.0 if engine.needs_step() else self._idle_wait()
+            try:
+                cmd = self._commands.get(timeout=timeout) if timeout > 0 else self._commands.get_nowait()
+            except queue.Empty:
+                cmd = ...
+            while cmd is not ...:
+                if cmd is None:
+                    self._shutdown_requests()
+                    return
+                cmd()
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = ...
+            outputs = engine.step()
+            if outputs:
+                self._dispatch(outputs)
+
+    def _idle_wait(self) -> float:
+        connector = self.engine.connector
+        if connector is not None:
+            return max(0.0005, min(IDLE_WAIT_S, connector.wakeup_in()))
+        return IDLE_WAIT_S
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        pairs = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            pairs.append((stream, out))
+        if pairs:
+            self._loop.call_soon_threadsafe(_deliver, pairs)
+
+    def _fail_all(self, error: BaseException) -> None:
+        pairs = [(s, error) for s in self._streams.values()]
+        self._streams.clear()
+        if pairs and self._loop is not None:
+            self._loop.call_soon_threadsafe(_deliver, pairs)
+
+    def _shutdown_requests(self) -> None:
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+        self._dispatch(self.engine.step())
+        self._fail_all(EngineDeadError("server is shutting down"))
+
+
+def _noop() -> None:
+    pass
+
+
+def _deliver(pairs) -> None:
+    for stream, item in pairs:
+        stream.queue.put_nowait(item)

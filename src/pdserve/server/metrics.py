@@ -1,0 +1,107 @@
+"""Prometheus metrics of one server (its own registry, no module globals).
+
+Server process. Latency histograms are observed by the serving layer as tokens stream out; engine
+and connector state is read from the engine thread at scrape time. Names follow vLLM's
+(`vllm:*` -> `pdserve:*`, `nixl_*` kept) so existing dashboards map one to one.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                     5.0, 10.0)
+_BYTES_BUCKETS = tuple(2 ** i for i in range(12, 34, 2))
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.model = model_name
+        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token.",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between output tokens.",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "End-to-end request latency.",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens processed.", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated.", labels,
+                                         registry=r)
+        self.requests = Counter("pdserve:request_success", "Finished requests by reason.",
+                                labels + ["finished_reason"], registry=r)
+        self.errors = Counter("pdserve:request_errors", "Rejected or failed requests by HTTP status.",
+                              labels + ["status"], registry=r)
+        g = {}
+        for name, doc in [
+            ("num_requests_running", "Requests in the running batch."),
+            ("num_requests_waiting", "Requests queued for prefill."),
+            ("num_requests_waiting_for_remote_kv", "P/D consumer requests waiting for their KV."),
+            ("kv_blocks_free", "Free KV blocks."),
+            ("kv_blocks_used", "KV blocks in use (owned, leased or quarantined)."),
+            ("kv_blocks_quarantined", "KV blocks of expired leases kept out of reuse."),
+            ("kv_cache_usage_perc", "Fraction of KV blocks in use."),
+            ("num_preemptions", "Preemptions since start."),
+            ("kv_leases_active", "P/D producer requests holding blocks for a reader."),
+        ]:
+            g[name] = Gauge(f"pdserve:{name}", doc, labels, registry=r)
+        self.gauges = g
+        # KV transfer (DESIGN §8); vLLM's NixlConnector names where they exist.
+        self.xfer_time = Histogram("pdserve:nixl_xfer_time_seconds", "KV transfer duration.",
+                                   labels, buckets=_TRANSFER_BUCKETS, registry=r)
+        self.xfer_bytes = Histogram("pdserve:nixl_bytes_transferred", "Bytes per KV transfer.",
+                                    labels, buckets=_BYTES_BUCKETS, registry=r)
+        self.xfer_descs = Histogram("pdserve:nixl_num_descriptors", "Descriptors per KV transfer.",
+                                    labels, buckets=_BYTES_BUCKETS[:8], registry=r)
+        self.xfer_gbps = Histogram("pdserve:kv_transfer_throughput_gbps", "Throughput per transfer.",
+                                   labels, buckets=(0.1, 0.5, 1, 2, 4, 8, 16, 32), registry=r)
+        self.handshake_latency = Histogram("pdserve:nixl_handshake_latency_seconds",
+                                           "Side-channel handshake latency.", labels,
+                                           buckets=_TRANSFER_BUCKETS, registry=r)
+        c = {}
+        for name, doc in [
+            ("nixl_handshakes", "Handshakes (one per distinct producer engine id)."),
+            ("nixl_handshake_round_trips", "Side-channel round trips made for handshakes."),
+            ("nixl_handshake_failures", "Failed handshakes."),
+            ("nixl_num_failed_transfers", "Failed KV transfers."),
+            ("nixl_num_failed_notifications", "Notifications that could not be sent."),
+            ("kv_transfers", "Completed KV transfers (consumer side)."),
+            ("kv_leases_expired", "Producer leases that expired before every read was notified."),
+            ("kv_leases_released", "Producer leases released by the consumer (abort or failure)."),
+            ("kv_heartbeats", "Heartbeats sent (consumer) or acknowledged (producer)."),
+            ("kv_notifications_ignored", "Unknown, late or duplicate notifications."),
+        ]:
+            c[name] = Gauge(f"pdserve:{name}_total", doc, labels, registry=r)
+        self.connector_counters = c
+
+    def update_engine(self, stats: dict) -> None:
+        m = self.model
+        g = self.gauges
+        g["num_requests_running"].labels(m).set(stats["num_running"])
+        g["num_requests_waiting"].labels(m).set(stats["num_waiting"])
+        g["num_requests_waiting_for_remote_kv"].labels(m).set(stats["num_waiting_for_remote_kv"])
+        free, total = stats["num_free_blocks"], stats["num_blocks"]
+        g["kv_blocks_free"].labels(m).set(free)
+        g["kv_blocks_used"].labels(m).set(total - free)
+        g["kv_blocks_quarantined"].labels(m).set(stats["num_quarantined_blocks"])
+        g["kv_cache_usage_perc"].labels(m).set((total - free) / total)
+        g["num_preemptions"].labels(m).set(stats["num_preemptions"])
+        kv = stats.get("kv_transfer")
+        if kv:
+            g["kv_leases_active"].labels(m).set(kv["leases_active"])
+            for name, value in kv["counters"].items():
+                self.connector_counters[name].labels(m).set(value)
+            for t in kv["transfers"]:
+                self.xfer_time.labels(m).observe(t["duration_s"])
+                self.xfer_bytes.labels(m).observe(t["num_bytes"])
+                self.xfer_descs.labels(m).observe(t["num_descriptors"])
+                if t["duration_s"] > 0:
+                    self.xfer_gbps.labels(m).observe(t["num_bytes"] / t["duration_s"] / 1e9)
+            for s in kv["handshake_latencies"]:
+                self.handshake_latency.labels(m).observe(s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

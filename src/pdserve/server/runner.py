@@ -1,0 +1,58 @@
+"""Run one server: bind (port 0 allowed), report the bound port, serve until SIGINT/SIGTERM.
+
+Server process, main thread. Shutdown: uvicorn stops accepting and lets in-flight requests finish
+for `shutdown_timeout_s`; then the engine thread aborts what is left and stops its TP ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from pdserve.config import EngineConfig, ServerConfig
+from pdserve.server.app import RequestIdFilter, create_app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def report_port(sock: socket.socket, host: str, port_file: str | None, what: str) -> int:
+    port = sock.getsockname()[1]
+    print(f"pdserve {what} listening on http://{host}:{port}", flush=True)
+    if port_file:
+        tmp = Path(port_file + ".tmp")
+        tmp.write_text(json.dumps({"host": host, "port": port}))
+        tmp.replace(port_file)
+    return port
+
+
+def configure_logging(level: str = "INFO") -> None:
+    root = logging.getLogger()
+    root.setLevel(level)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s %(process)d %(levelname)s [%(request_id)s] %(name)s: %(message)s"))
+    handler.addFilter(RequestIdFilter())
+    root.handlers = [handler]
+
+
+def run_server(server: ServerConfig, engine: EngineConfig, log_level: str = "INFO") -> None:
+    configure_logging(log_level)
+    sock = bind(server.host, server.port)
+    report_port(sock, server.host, server.port_file, "server")
+    app = create_app(server, engine)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=server.shutdown_timeout_s,
+                            access_log=False, lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])

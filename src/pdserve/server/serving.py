@@ -1,0 +1,221 @@
+"""Serving logic shared by completions and chat: request -> engine requests -> responses or SSE.
+
+Server process (event loop). One HTTP request may fan out to several engine requests (`n`, or a
+batch of prompts); their deltas are merged in arrival order. Every engine request that is not
+finished when the handler leaves (client gone, error) is aborted, so its blocks come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator
+
+from pdserve.kv_transfer.params import KVTransferParams
+from pdserve.outputs import RequestOutput
+from pdserve.sampling_params import InvalidRequestError, SamplingParams
+from pdserve.server.async_engine import AsyncEngine
+from pdserve.server.errors import APIError
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.protocol import Usage
+
+logger = logging.getLogger("pdserve.server")
+
+
+@dataclass
+class Choice:
+    """Accumulated state of one choice (one engine request)."""
+
+    index: int
+    engine_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
+    error: str | None = None
+    finished: bool = False
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        self.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs:
+            self.logprobs.extend(out.new_logprobs)
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.finished:
+            self.finished = True
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+            self.kv_transfer_params = out.kv_transfer_params
+            self.error = out.error
+
+
+@dataclass
+class InFlight:
+    """HTTP requests being served, shared by every endpoint; beyond `limit` new ones get a 503."""
+
+    limit: int
+    count: int = 0
+
+
+class BaseServing:
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
+                 inflight: InFlight):
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.inflight = inflight
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    # --- request -> sampling params ----------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+    @staticmethod
+    def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name):
+                raise InvalidRequestError(name, "is not supported by pdserve (must be 0)")
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            stop=tuple([req.stop] if isinstance(req.stop, str) else (req.stop or ())),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+
+    @staticmethod
+    def transfer_params(req, num_prompts: int) -> KVTransferParams | None:
+        params = KVTransferParams.parse(req.kv_transfer_params)
+        if params is not None and (params.do_remote_decode or params.do_remote_prefill):
+            if req.n != 1:
+                raise InvalidRequestError("n", "must be 1 for a disaggregated (P/D) request")
+            if num_prompts != 1:
+                raise InvalidRequestError("prompt", "a disaggregated (P/D) request takes one prompt")
+        return params
+
+    # --- engine requests ------------------------------------------------------------------------
+
+    async def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                    kv: KVTransferParams | None) -> tuple[list[Choice], list]:
+        """Add every (prompt, sample) engine request; on any rejection, abort those already added."""
+        if self.inflight.count >= self.inflight.limit:
+            raise APIError(503, f"server overloaded: {self.inflight.count} requests in flight")
+        choices, streams = [], []
+        suffix = uuid.uuid4().hex[:6]
+        try:
+            for p_index, prompt in enumerate(prompts):
+                for i in range(params.n):
+                    index = p_index * params.n + i
+                    seed = None if params.seed is None else params.seed + i
+                    sub = replace(params, n=1, seed=seed)
+                    engine_id = f"{request_id}-{index}-{suffix}"
+                    streams.append(await self.engine.add_request(engine_id, prompt, sub, kv))
+                    choices.append(Choice(index, engine_id))
+        except BaseException:
+            for s in streams:
+                self.engine.abort(s.request_id)
+            raise
+        self.metrics.prompt_tokens.labels(self.model_name).inc(
+            sum(len(p) for p in prompts) * params.n)
+        return choices, streams
+
+    async def merged(self, choices: list[Choice], streams: list) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        """Deltas of every choice as they come; aborts unfinished engine requests on exit."""
+        self.inflight.count += 1
+        queue: asyncio.Queue = asyncio.Queue()
+        start = time.monotonic()
+        last_token_at: dict[int, float] = {}
+
+        async def pump(choice: Choice, stream):
+            try:
+                async for out in stream:
+                    await queue.put((choice, out))
+            except BaseException as e:  # noqa: BLE001 - engine death, delivered to the reader
+                await queue.put((choice, e))
+
+        tasks = [asyncio.create_task(pump(c, s)) for c, s in zip(choices, streams)]
+        remaining = len(choices)
+        try:
+            while remaining:
+                choice, out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise APIError(500, str(out), "InternalServerError")
+                self._observe(choice, out, start, last_token_at)
+                choice.add(out)
+                if out.finished:
+                    remaining -= 1
+                yield choice, out
+        finally:
+            self.inflight.count -= 1
+            for t in tasks:
+                t.cancel()
+            for c in choices:
+                if not c.finished:
+                    self.engine.abort(c.engine_id)
+
+    def _observe(self, choice: Choice, out: RequestOutput, start: float, last: dict) -> None:
+        now, m = time.monotonic(), self.model_name
+        if out.new_token_ids:
+            self.metrics.generation_tokens.labels(m).inc(len(out.new_token_ids))
+            prev = last.get(choice.index)
+            if prev is None:
+                self.metrics.ttft.labels(m).observe(now - start)
+            else:
+                self.metrics.itl.labels(m).observe((now - prev) / len(out.new_token_ids))
+            last[choice.index] = now
+        if out.finished:
+            self.metrics.e2e.labels(m).observe(now - start)
+            self.metrics.requests.labels(m, out.finish_reason or "unknown").inc()
+
+    async def watch_disconnect(self, raw_request, choices: list[Choice]) -> None:
+        """Non-streaming requests: a client that goes away aborts its engine requests."""
+        while not all(c.finished for c in choices):
+            if await raw_request.is_disconnected():
+                for c in choices:
+                    if not c.finished:
+                        self.engine.abort(c.engine_id)
+                return
+            await asyncio.sleep(0.25)
+
+    @staticmethod
+    def usage(choices: list[Choice], num_prompts: int, n: int) -> Usage:
+        prompt = sum(c.num_prompt_tokens for c in choices[::n]) if choices else 0
+        completion = sum(len(c.token_ids) for c in choices)
+        cached = sum(c.num_cached_tokens for c in choices[::n])
+        return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details={"cached_tokens": cached} if cached else None)
+
+    @staticmethod
+    def first_error(choices: list[Choice]) -> str | None:
+        return next((c.error for c in choices if c.error), None)
+
+
+def sse(payload) -> str:
+    body = payload.model_dump_json(exclude_unset=False) if hasattr(payload, "model_dump_json") \
+        else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,114 @@
+"""`POST /v1/chat/completions`: the tokenizer's chat template, then the same engine path.
+Server process, event loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.sampling_params import InvalidRequestError
+from pdserve.server.errors import APIError
+from pdserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                     ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
+                                     ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob,
+                                     DeltaMessage)
+from pdserve.server.serving import SSE_DONE, BaseServing, Choice, sse
+from pdserve.text.tokenizer import ChatTemplateError
+
+
+class ChatServing(BaseServing):
+    def prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise InvalidRequestError(f"messages.{i}.content",
+                                                  "only text content parts are supported")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            messages.append({"role": m.role, "content": content or ""})
+        try:
+            text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+        except ChatTemplateError as e:
+            raise InvalidRequestError("messages", f"chat template refused them: {e}") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def create(self, req: ChatCompletionRequest, request_id: str, raw_request):
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequestError("top_logprobs", "requires logprobs to be true")
+        prompt = self.prompt(req)
+        num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.sampling_params(req, max_tokens, num_logprobs)
+        kv = self.transfer_params(req, 1)
+        choices, streams = await self.start(request_id, [prompt], params, kv)
+        response_id = f"chatcmpl-{request_id}"
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self._stream(response_id, choices, streams, include_usage, req.n),
+                                     media_type="text/event-stream",
+                                     headers={"X-Request-Id": request_id})
+        watcher = asyncio.create_task(self.watch_disconnect(raw_request, choices))
+        try:
+            async for _ in self.merged(choices, streams):
+                pass
+        finally:
+            watcher.cancel()
+        error = self.first_error(choices)
+        if error:
+            raise APIError(500, error)
+        body = ChatCompletionResponse(
+            id=response_id, model=self.model_name,
+            choices=[ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                logprobs=self._logprobs(c.logprobs) if req.logprobs else None,
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                     for c in choices],
+            usage=self.usage(choices, 1, req.n),
+            kv_transfer_params=choices[0].kv_transfer_params if len(choices) == 1 else None)
+        return JSONResponse(body.model_dump(), headers={"X-Request-Id": request_id})
+
+    async def _stream(self, response_id: str, choices: list[Choice], streams, include_usage: bool,
+                      n: int):
+        def chunk(index: int, delta: DeltaMessage, **kw) -> str:
+            return sse(ChatCompletionChunk(id=response_id, model=self.model_name,
+                                           choices=[ChatStreamChoice(index=index, delta=delta, **kw)]))
+        try:
+            for c in choices:
+                yield chunk(c.index, DeltaMessage(role="assistant", content=""))
+            async for choice, out in self.merged(choices, streams):
+                if out.error:
+                    yield sse(APIError(500, out.error).body())
+                    continue
+                if not out.new_text and not out.finished and not out.new_token_ids:
+                    continue
+                logprobs = self._logprobs(out.new_logprobs) if out.new_logprobs is not None else None
+                text = ChatCompletionChunk(
+                    id=response_id, model=self.model_name,
+                    choices=[ChatStreamChoice(index=choice.index, delta=DeltaMessage(content=out.new_text),
+                                              logprobs=logprobs, finish_reason=out.finish_reason,
+                                              stop_reason=out.stop_reason)],
+                    kv_transfer_params=out.kv_transfer_params)
+                yield sse(text)
+            if include_usage:
+                yield sse(ChatCompletionChunk(id=response_id, model=self.model_name, choices=[],
+                                              usage=self.usage(choices, 1, n)))
+        except APIError as e:
+            yield sse(e.body())
+        yield SSE_DONE
+
+    def _logprobs(self, entries) -> ChatLogprobs:
+        tok = self.tokenizer
+        content = []
+        for e in entries:
+            text = tok.token_text(e.token_id)
+            tops = [ChatTopLogprob(token=tok.token_text(t), logprob=lp,
+                                   bytes=list(tok.token_text(t).encode()))
+                    for t, lp in (e.top or [])]
+            content.append(ChatTokenLogprob(token=text, logprob=e.logprob, bytes=list(text.encode()),
+                                            top_logprobs=tops))
+        return ChatLogprobs(content=content)

@@ -1,0 +1,103 @@
+"""`POST /v1/completions`. Server process, event loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pdserve.sampling_params import InvalidRequestError
+from pdserve.server.errors import APIError
+from pdserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                     CompletionResponse)
+from pdserve.server.serving import SSE_DONE, BaseServing, Choice, sse
+
+
+class CompletionServing(BaseServing):
+    def prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [self.tokenizer.encode(p)]
+        if not p:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        if all(isinstance(x, str) for x in p):
+            return [self.tokenizer.encode(x) for x in p]
+        if all(isinstance(x, list) for x in p):
+            return [list(x) for x in p]
+        raise InvalidRequestError("prompt", "must be a string, a list of strings, or token ids")
+
+    async def create(self, req: CompletionRequest, request_id: str, raw_request):
+        self.check_model(req.model)
+        if req.echo or req.suffix:
+            raise InvalidRequestError("echo" if req.echo else "suffix", "is not supported")
+        prompts = self.prompts(req)
+        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        kv = self.transfer_params(req, len(prompts))
+        choices, streams = await self.start(request_id, prompts, params, kv)
+        response_id = f"cmpl-{request_id}"
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(response_id, choices, streams, include_usage, len(prompts), req.n),
+                media_type="text/event-stream", headers={"X-Request-Id": request_id})
+        watcher = asyncio.create_task(self.watch_disconnect(raw_request, choices))
+        try:
+            async for _ in self.merged(choices, streams):
+                pass
+        finally:
+            watcher.cancel()
+        error = self.first_error(choices)
+        if error:
+            raise APIError(500, error)
+        body = CompletionResponse(
+            id=response_id, model=self.model_name,
+            choices=[CompletionChoice(index=c.index, text=c.text,
+                                      logprobs=self._logprobs(c.logprobs, 0) if params.logprobs is not None else None,
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                     for c in choices],
+            usage=self.usage(choices, len(prompts), req.n),
+            kv_transfer_params=choices[0].kv_transfer_params if len(choices) == 1 else None)
+        return JSONResponse(body.model_dump(), headers={"X-Request-Id": request_id})
+
+    async def _stream(self, response_id: str, choices: list[Choice], streams, include_usage: bool,
+                      num_prompts: int, n: int):
+        offsets = {c.index: 0 for c in choices}
+        try:
+            async for choice, out in self.merged(choices, streams):
+                if out.error:
+                    yield sse(APIError(500, out.error).body())
+                    continue
+                if not out.new_text and not out.finished and not out.new_token_ids:
+                    continue
+                logprobs = None
+                if out.new_logprobs is not None:
+                    logprobs = self._logprobs(out.new_logprobs, offsets[choice.index])
+                offsets[choice.index] += len(out.new_text)
+                chunk = CompletionResponse(
+                    id=response_id, model=self.model_name,
+                    choices=[CompletionChoice(index=choice.index, text=out.new_text, logprobs=logprobs,
+                                              finish_reason=out.finish_reason,
+                                              stop_reason=out.stop_reason)],
+                    kv_transfer_params=out.kv_transfer_params)
+                yield sse(chunk)
+            if include_usage:
+                yield sse(CompletionResponse(id=response_id, model=self.model_name, choices=[],
+                                             usage=self.usage(choices, num_prompts, n)))
+        except APIError as e:
+            yield sse(e.body())
+        yield SSE_DONE
+
+    def _logprobs(self, entries, text_offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        tok = self.tokenizer
+        for e in entries:
+            text = tok.token_text(e.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(e.logprob)
+            out.text_offset.append(text_offset)
+            text_offset += len(text)
+            out.top_logprobs.append({tok.token_text(t): lp for t, lp in (e.top or [])}
+                                    if e.top is not None else None)
+        return out

@@ -1,0 +1,108 @@
+"""The only code that knows NIXL: one agent per TP rank, host (DRAM) or GPU (VRAM) memory.
+
+TP rank process, called from that rank's single NIXL thread (agents are not thread-safe). NIXL's
+own progress thread is off (in nixl 1.5.1 it busy-polls): the owner makes progress by calling in
+(`state`, `notifications`) often enough while transfers or leases are live.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+def _import_nixl():
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config  # the wheel pdserve pins
+    except ImportError:  # pragma: no cover - other NIXL packagings
+        from nixl._api import nixl_agent, nixl_agent_config
+    return nixl_agent, nixl_agent_config
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+class NixlAgent:
+    def __init__(self, name: str, backend: str = "UCX"):
+        nixl_agent, nixl_agent_config = _import_nixl()
+        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                   backends=[backend])
+        self.name = name
+        self.backend = backend
+        self._agent = nixl_agent(name, config)
+        self._mem_type = "DRAM"
+        self._registered = []
+
+    def register(self, address: int, size_bytes: int, device: str = "cpu") -> None:
+        """Register one contiguous region (the rank's whole KV cache) once, at start."""
+        self._mem_type = "DRAM" if device == "cpu" else "VRAM"
+        dev_id = 0 if device == "cpu" else int(device.split(":")[-1] or 0)
+        descs = self._agent.get_reg_descs([(address, size_bytes, dev_id, "")], self._mem_type)
+        self._agent.register_memory(descs)
+        self._registered.append(descs)
+
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a remote agent and connect to it now (not on the first transfer)."""
+        name = self._agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        try:
+            self._agent.make_connection(name)
+        except Exception as e:  # noqa: BLE001 - the first READ will report a dead peer anyway
+            logger.warning("connecting to %s failed: %s", name, e)
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("removing peer %s: %s", name, e)
+
+    def read(self, peer: str, local: np.ndarray, remote: np.ndarray, notification: bytes):
+        """Post a READ of `remote` (peer memory) into `local`; the peer gets `notification` once it
+        completes. Returns a handle for `state` / `release`."""
+        local_d = self._agent.get_xfer_descs(local, self._mem_type)
+        remote_d = self._agent.get_xfer_descs(remote, self._mem_type)
+        try:
+            handle = self._agent.initialize_xfer("READ", local_d, remote_d, peer, notification)
+        except Exception as e:  # noqa: BLE001
+            raise TransferError(f"cannot create a READ from {peer}: {e}") from e
+        status = self._agent.transfer(handle)
+        if status == "ERR":
+            self.release(handle)
+            raise TransferError(f"posting a READ from {peer} failed")
+        return handle
+
+    def state(self, handle) -> str:
+        """'DONE', 'PROC' or 'ERR' (also drives progress)."""
+        try:
+            return self._agent.check_xfer_state(handle)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("transfer state: %s", e)
+            return "ERR"
+
+    def release(self, handle) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as e:  # noqa: BLE001 - releasing an unfinished READ may be refused
+            logger.warning("releasing a transfer handle: %s", e)
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        return self._agent.get_new_notifs()
+
+    def notify(self, peer: str, message: bytes) -> None:
+        self._agent.send_notif(peer, message)
+
+    def close(self) -> None:
+        for descs in self._registered:
+            try:
+                self._agent.deregister_memory(descs)
+            except Exception:  # noqa: BLE001
+                pass
+        self._registered = []
