@@ -23,16 +23,71 @@ from pathlib import Path
 
 @dataclasses.dataclass
 class Instance:
-    role: str  # "prefill", "decode" or "proxy"
+    """One `pdserve` child process (an instance or the proxy) in its own process group."""
+
+    role: str  # "prefill", "decode", "proxy" or anything a test names it
     args: list[str]
     cpus: tuple[int, ...] = ()
     proc: subprocess.Popen | None = None
     port: int | None = None
     log_path: Path | None = None
+    port_file: Path | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def spawn(self, log_dir: Path, env: dict | None = None) -> "Instance":
+        tag = f"{self.role}-{os.getpid()}-{time.monotonic_ns()}"
+        self.port_file = log_dir / f"{tag}.port"
+        self.log_path = log_dir / f"{tag}.log"
+        cmd = [sys.executable, "-m", "pdserve.cli", *self.args, "--port-file", str(self.port_file)]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **(env or {})},
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        return self
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> "Instance":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.role} exited with {self.proc.returncode}; log: "
+                                   f"{self.log_path}\n{_tail(self.log_path)}")
+            if self.port is None and self.port_file.exists():
+                self.port = json.loads(self.port_file.read_text())["port"]
+            if self.port is not None:
+                status, body = _health(self.url + "/health")
+                if status == 200:
+                    return self
+                if "failed" in body:  # the engine could not start: no point waiting
+                    raise RuntimeError(f"{self.role} cannot start: {body}; log: {self.log_path}")
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.role} not healthy within {timeout_s:.0f} s; log: {self.log_path}")
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def kill(self) -> None:
+        """Dies at once, with every process of its group (fault tests)."""
+        self.signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM (graceful), then SIGKILL for whatever of the group is left."""
+        if self.proc is None:
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
 
 
 def split_cores(cores: list[int], num_instances: int) -> list[tuple[int, ...]]:
@@ -60,7 +115,7 @@ class Deployment:
         decode_cpus = decode_cpus or shares[len(prefill_tp):]
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, **(env or {})}
+        self.env = env or {}
         extra = list(instance_args or [])
         self.instances: list[Instance] = []
         for role, tps, cpus in (("prefill", prefill_tp, prefill_cpus), ("decode", decode_tp, decode_cpus)):
@@ -83,60 +138,25 @@ class Deployment:
     def start(self, timeout_s: float = 180.0) -> "Deployment":
         try:
             for inst in self.instances:
-                self._spawn(inst, len([i for i in self.instances if i.proc]))
+                inst.spawn(self.log_dir, self.env)
             for inst in self.instances:
-                self._wait_healthy(inst, timeout_s)
+                inst.wait_healthy(timeout_s)
             proxy_args = ["proxy", "--port", str(self.proxy_port),
                           "--prefill", *[i.url for i in self.prefill],
                           "--decode", *[i.url for i in self.decode]]
-            self.proxy = Instance("proxy", proxy_args)
-            self._spawn(self.proxy, 0)
-            self._wait_healthy(self.proxy, timeout_s)
+            self.proxy = Instance("proxy", proxy_args).spawn(self.log_dir, self.env)
+            self.proxy.wait_healthy(timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _spawn(self, inst: Instance, index: int) -> None:
-        port_file = self.log_dir / f"{inst.role}-{index}-{os.getpid()}-{time.monotonic_ns()}.port"
-        inst.log_path = self.log_dir / f"{inst.role}-{index}.log"
-        cmd = [sys.executable, "-m", "pdserve.cli", *inst.args, "--port-file", str(port_file)]
-        log = open(inst.log_path, "ab")
-        inst.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
-        log.close()
-        inst.port_file = port_file
-
-    def _wait_healthy(self, inst: Instance, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if inst.proc.poll() is not None:
-                raise RuntimeError(f"{inst.role} exited with {inst.proc.returncode}; log: "
-                                   f"{inst.log_path}\n{_tail(inst.log_path)}")
-            if inst.port is None and inst.port_file.exists():
-                inst.port = json.loads(inst.port_file.read_text())["port"]
-            if inst.port is not None and _http_ok(inst.url + "/health"):
-                return
-            time.sleep(0.1)
-        raise TimeoutError(f"{inst.role} not healthy within {timeout_s:.0f} s; log: {inst.log_path}")
-
     def stop(self, timeout_s: float = 15.0) -> None:
-        procs = [i.proc for i in [*( [self.proxy] if self.proxy else []), *self.instances] if i.proc]
-        for p in procs:
-            _signal_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            _signal_group(p, signal.SIGKILL)
-            p.wait()
-
-    def kill(self, inst: Instance) -> None:
-        """Fault tests: the instance dies at once (no graceful shutdown)."""
-        _signal_group(inst.proc, signal.SIGKILL)
-        inst.proc.wait()
+        everything = ([self.proxy] if self.proxy else []) + self.instances
+        for inst in everything:
+            inst.signal(signal.SIGTERM)
+        for inst in everything:
+            inst.stop(timeout_s)
 
     def __enter__(self):
         return self.start()
@@ -145,19 +165,14 @@ class Deployment:
         self.stop()
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _http_ok(url: str) -> bool:
+def _health(url: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except Exception:  # noqa: BLE001
-        return False
+            return r.status, ""
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+    except Exception:  # noqa: BLE001 - not listening yet
+        return 0, ""
 
 
 def _tail(path: Path, n: int = 30) -> str:

@@ -7,7 +7,7 @@ import itertools
 from pdserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.outputs import CompletionOutput, GenerationOutput
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
 
 class LLM:
@@ -42,6 +42,8 @@ class LLM:
         results: dict[str, GenerationOutput] = {}
         order = []
         for prompt, p in zip(prompts, params):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
             text = prompt if isinstance(prompt, str) else None
             token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
             request_id = str(next(self._ids))

@@ -6,6 +6,8 @@ a handler never formats an error itself and a client never sees a traceback.
 
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
 
 from pdserve.sampling_params import InvalidRequestError
@@ -13,6 +15,9 @@ from pdserve.server.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
           500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 class APIError(Exception):
@@ -40,7 +45,13 @@ def validation_error(errors: list[dict]) -> APIError:
     if not errors:
         return APIError(400, "invalid request")
     e = errors[0]
-    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    loc = []
+    for part in e.get("loc", ())[1 if e.get("loc", ("",))[0] == "body" else 0:]:
+        part = str(part)
+        # pydantic names the union member it tried ("str", "list[str]"): not part of the field
+        if part in _TYPE_TAGS or not re.fullmatch(r"[A-Za-z_]\w*|\d+", part):
+            break
+        loc.append(part)
     if e.get("type") == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {e.get('msg', '')}", param="body")
     field = ".".join(loc) or "body"

@@ -32,6 +32,7 @@ class _Request(BaseModel):
     frequency_penalty: float | None = 0.0
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    return_token_ids: bool = False  # vLLM extension: token ids of each choice in the response
 
 
 class StreamOptions(BaseModel):
@@ -85,6 +86,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -122,6 +124,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -145,6 +148,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -50,7 +50,8 @@ class ChatServing(BaseServing):
         response_id = f"chatcmpl-{request_id}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._stream(response_id, choices, streams, include_usage, req.n),
+            return StreamingResponse(self._stream(response_id, choices, streams, include_usage, req.n,
+                                                  req.return_token_ids),
                                      media_type="text/event-stream",
                                      headers={"X-Request-Id": request_id})
         watcher = asyncio.create_task(self.watch_disconnect(raw_request, choices))
@@ -66,14 +67,15 @@ class ChatServing(BaseServing):
             id=response_id, model=self.model_name,
             choices=[ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                                 logprobs=self._logprobs(c.logprobs) if req.logprobs else None,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                token_ids=c.token_ids if req.return_token_ids else None)
                      for c in choices],
             usage=self.usage(choices, 1, req.n),
             kv_transfer_params=choices[0].kv_transfer_params if len(choices) == 1 else None)
         return JSONResponse(body.model_dump(), headers={"X-Request-Id": request_id})
 
     async def _stream(self, response_id: str, choices: list[Choice], streams, include_usage: bool,
-                      n: int):
+                      n: int, token_ids: bool):
         def chunk(index: int, delta: DeltaMessage, **kw) -> str:
             return sse(ChatCompletionChunk(id=response_id, model=self.model_name,
                                            choices=[ChatStreamChoice(index=index, delta=delta, **kw)]))
@@ -91,7 +93,8 @@ class ChatServing(BaseServing):
                     id=response_id, model=self.model_name,
                     choices=[ChatStreamChoice(index=choice.index, delta=DeltaMessage(content=out.new_text),
                                               logprobs=logprobs, finish_reason=out.finish_reason,
-                                              stop_reason=out.stop_reason)],
+                                              stop_reason=out.stop_reason,
+                                              token_ids=out.new_token_ids if token_ids else None)],
                     kv_transfer_params=out.kv_transfer_params)
                 yield sse(text)
             if include_usage:

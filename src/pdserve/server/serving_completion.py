@@ -16,10 +16,10 @@ from pdserve.server.serving import SSE_DONE, BaseServing, Choice, sse
 class CompletionServing(BaseServing):
     def prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
+        if not p or (isinstance(p, list) and any(not x for x in p)):
+            raise InvalidRequestError("prompt", "must not be empty")
         if isinstance(p, str):
             return [self.tokenizer.encode(p)]
-        if not p:
-            raise InvalidRequestError("prompt", "must not be empty")
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         if all(isinstance(x, str) for x in p):
@@ -40,7 +40,8 @@ class CompletionServing(BaseServing):
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                self._stream(response_id, choices, streams, include_usage, len(prompts), req.n),
+                self._stream(response_id, choices, streams, include_usage, len(prompts), req.n,
+                             req.return_token_ids),
                 media_type="text/event-stream", headers={"X-Request-Id": request_id})
         watcher = asyncio.create_task(self.watch_disconnect(raw_request, choices))
         try:
@@ -55,14 +56,15 @@ class CompletionServing(BaseServing):
             id=response_id, model=self.model_name,
             choices=[CompletionChoice(index=c.index, text=c.text,
                                       logprobs=self._logprobs(c.logprobs, 0) if params.logprobs is not None else None,
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                      token_ids=c.token_ids if req.return_token_ids else None)
                      for c in choices],
             usage=self.usage(choices, len(prompts), req.n),
             kv_transfer_params=choices[0].kv_transfer_params if len(choices) == 1 else None)
         return JSONResponse(body.model_dump(), headers={"X-Request-Id": request_id})
 
     async def _stream(self, response_id: str, choices: list[Choice], streams, include_usage: bool,
-                      num_prompts: int, n: int):
+                      num_prompts: int, n: int, token_ids: bool):
         offsets = {c.index: 0 for c in choices}
         try:
             async for choice, out in self.merged(choices, streams):
@@ -79,7 +81,8 @@ class CompletionServing(BaseServing):
                     id=response_id, model=self.model_name,
                     choices=[CompletionChoice(index=choice.index, text=out.new_text, logprobs=logprobs,
                                               finish_reason=out.finish_reason,
-                                              stop_reason=out.stop_reason)],
+                                              stop_reason=out.stop_reason,
+                                              token_ids=out.new_token_ids if token_ids else None)],
                     kv_transfer_params=out.kv_transfer_params)
                 yield sse(chunk)
             if include_usage:

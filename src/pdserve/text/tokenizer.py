@@ -53,8 +53,12 @@ class Tokenizer:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        """Text of one token for logprob listings (bytes of partial characters shown escaped)."""
-        return self._tok.decode([token_id], skip_special_tokens=False)
+        """Text of one token for logprob listings. A token that is part of a multi-byte character
+        shows as its vocabulary entry, so distinct tokens never share a key."""
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            text = self._tok.id_to_token(token_id) or text
+        return text
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self._chat_template.render(

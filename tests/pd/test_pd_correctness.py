@@ -1,0 +1,118 @@
+"""Through the proxy, P/D gives the colocated (= transformers) greedy answers for every TP pairing,
+including a one-KV-head model replicated on either side; the transfer is accounted and nothing leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import pytest
+
+from conftest import start_deployment
+from helpers import assert_greedy_match, hf_reference
+from pdserve.kv_transfer.topology import producer_ranks_for
+from servers import get_json, metric, post_json, stats, wait_idle
+
+COMBOS = [("tiny", 1, 1), ("tiny", 1, 2), ("tiny", 2, 1), ("tiny", 2, 2), ("kv1", 1, 2), ("kv1", 2, 1)]
+LENGTHS = [5, 16, 100]  # shorter than a block, exactly one, many
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module", params=COMBOS, ids=[f"{m}-P{p}D{d}" for m, p, d in COMBOS])
+def pd(request, tiny_model, tiny_kv1_model, tmp_path_factory):
+    name, p_tp, d_tp = request.param
+    model = tiny_model if name == "tiny" else tiny_kv1_model
+    dep = start_deployment(model, p_tp, d_tp, tmp_path_factory.mktemp(f"pd-{name}-{p_tp}{d_tp}"))
+    dep.model, dep.p_tp, dep.d_tp = model, p_tp, d_tp
+    yield dep
+    dep.stop()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(7, 1000) for _ in range(n - 1)]
+
+
+def complete(url: str, ids: list[int], **kw) -> dict:
+    code, body = post_json(url + "/v1/completions", {"prompt": ids, "max_tokens": MAX_TOKENS,
+                                                     "temperature": 0, "return_token_ids": True, **kw})
+    assert code == 200, body
+    return body
+
+
+def test_greedy_equals_colocated(pd):
+    for n in LENGTHS:
+        ids = prompt(n, seed=n)
+        body = complete(pd.proxy.url, ids)
+        ours = body["choices"][0]["token_ids"]
+        assert_greedy_match(ours, hf_reference(pd.model, ids, MAX_TOKENS),
+                            f"P{pd.p_tp}D{pd.d_tp} len{n}")
+        assert body["usage"]["prompt_tokens"] == n and body["usage"]["completion_tokens"] == len(ours)
+
+
+def test_sixteen_concurrent_streams(pd):
+    prompts = [prompt(10 + 7 * i, seed=1000 + i) for i in range(16)]
+
+    async def one(client, ids):
+        tokens = []
+        async with client.stream("POST", pd.proxy.url + "/v1/completions",
+                                 json={"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                       "stream": True, "return_token_ids": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = httpx.Response(200, content=line[6:]).json()
+                    assert "error" not in chunk, chunk
+                    for c in chunk["choices"]:
+                        tokens.extend(c["token_ids"] or [])
+        return tokens
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[one(client, p) for p in prompts])
+    for ids, tokens in zip(prompts, asyncio.run(run())):
+        assert_greedy_match(tokens, hf_reference(pd.model, ids, MAX_TOKENS), f"concurrent len{len(ids)}")
+
+
+def test_decode_reads_the_transferred_kv(pd):
+    """Perturb the producer's blocks between prefill and decode: decode's answer changes; without
+    the perturbation it is the colocated one. (A prompt used nowhere else: the producer's prefix
+    cache keeps the perturbed blocks.)"""
+    prefill, decode = pd.prefill[0], pd.decode[0]
+    answers = []
+    for delta in (0.0, 4.0):
+        ids = prompt(40, seed=77 if delta == 0 else 78)
+        code, p = post_json(prefill.url + "/v1/completions",
+                            {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
+                             "kv_transfer_params": {"do_remote_decode": True}})
+        kv = p["kv_transfer_params"]
+        assert code == 200 and kv["tp_size"] == pd.p_tp and len(kv["remote_block_ids"]) == 3
+        if delta:
+            post_json(prefill.url + "/debug/kv_perturb", {"block_ids": kv["remote_block_ids"],
+                                                          "delta": delta})
+        body = complete(decode.url, ids, kv_transfer_params=kv)
+        answers.append((ids, body["choices"][0]["token_ids"]))
+    (ids0, clean), (ids1, perturbed) = answers
+    assert_greedy_match(clean, hf_reference(pd.model, ids0, MAX_TOKENS), "clean")
+    reference = hf_reference(pd.model, ids1, MAX_TOKENS).tokens
+    assert perturbed[0] == reference[0]  # the producer's own token, sampled before the perturbation
+    assert perturbed != reference
+
+
+def test_one_handshake_per_producer_and_no_leak(pd):
+    decode, prefill = pd.decode[0], pd.prefill[0]
+    for i in range(3):
+        complete(pd.proxy.url, prompt(20, seed=500 + i))
+    assert metric(decode, "pdserve:nixl_handshakes_total") == 1
+    assert metric(decode, "pdserve:nixl_handshake_round_trips_total") == 1
+    assert metric(decode, "pdserve:kv_transfers_total") >= 3
+    loaded = get_json(decode.url + "/debug/loaded_peers")["ranks"]
+    engine = stats(prefill)["engine_id"]
+    for rank, agents in enumerate(loaded):
+        wanted = producer_ranks_for(rank, pd.p_tp, pd.d_tp, 1 if "kv1" in pd.model else 2)
+        assert agents == [f"{engine}/rank{r}" for r in wanted]
+    for inst in (prefill, decode):
+        s = wait_idle(inst)
+        assert s["num_free_blocks"] == s["num_blocks"], (inst.role, s)
+    assert stats(prefill)["kv_transfer"]["leases_active"] == 0

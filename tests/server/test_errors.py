@@ -1,0 +1,93 @@
+"""Every malformed request gets the right status and a message naming the field; nothing leaks and
+the next valid request is answered correctly."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+
+from servers import post_json, start_server, wait_idle
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    inst = start_server(tiny_model, tmp_path_factory.mktemp("errors"))
+    yield inst
+    inst.stop()
+
+
+CASES = [
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "logprobs": 99}, 400, "logprobs"),
+    ({"max_tokens": 4}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [1, 2, 10 ** 7]}, 400, "prompt"),
+    ({"prompt": "word " * 3000}, 400, "prompt"),
+    ({"prompt": "x", "stop": 5}, 400, "stop"),
+    ({"prompt": "x", "kv_transfer_params": "yes"}, 400, "kv_transfer_params"),
+    ({"prompt": "x", "kv_transfer_params": [1]}, 400, "kv_transfer_params"),
+    ({"prompt": "x", "kv_transfer_params": {"do_remote_decode": "true"}}, 400,
+     "kv_transfer_params.do_remote_decode"),
+    ({"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}}, 400,
+     "kv_transfer_params.remote_engine_id"),
+    ({"prompt": "x", "n": 2, "kv_transfer_params": {"do_remote_decode": True}}, 400, "n"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+]
+
+
+@pytest.mark.parametrize("body, status, field", CASES, ids=[c[2] + f"-{i}" for i, c in enumerate(CASES)])
+def test_bad_completion_request(server, body, status, field):
+    code, resp = post_json(server.url + "/v1/completions", body)
+    assert code == status, resp
+    err = resp["error"]
+    assert err["code"] == status and err["param"] == field and field.split(".")[-1] in err["message"]
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_bad_chat_requests(server):
+    for body, field in [({"messages": []}, "messages"),
+                        ({"messages": [{"content": "no role"}]}, "messages.0.role"),
+                        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs")]:
+        code, resp = post_json(server.url + "/v1/chat/completions", body)
+        assert code == 400 and resp["error"]["param"] == field, resp
+
+
+def test_invalid_json(server):
+    req = urllib.request.Request(server.url + "/v1/completions", b"{not json",
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 400 and b"not valid JSON" in e.value.read()
+
+
+def test_still_serving_and_nothing_leaked(server):
+    idle = wait_idle(server)
+    assert idle["num_free_blocks"] == idle["num_blocks"]
+    code, resp = post_json(server.url + "/v1/completions",
+                           {"prompt": "still fine", "max_tokens": 3, "temperature": 0})
+    assert code == 200 and resp["usage"]["completion_tokens"] == 3
+
+
+def test_api_key(tiny_model, tmp_path):
+    inst = start_server(tiny_model, tmp_path, env={"PDSERVE_API_KEY": "sekret"}, num_blocks=32)
+    try:
+        code, resp = post_json(inst.url + "/v1/completions", {"prompt": "x", "max_tokens": 1})
+        assert code == 401 and resp["error"]["type"] == "AuthenticationError"
+        code, _ = post_json(inst.url + "/v1/completions", {"prompt": "x", "max_tokens": 1},
+                            headers={"Authorization": "Bearer wrong"})
+        assert code == 401
+        code, _ = post_json(inst.url + "/v1/completions", {"prompt": "x", "max_tokens": 1},
+                            headers={"Authorization": "Bearer sekret"})
+        assert code == 200
+        with urllib.request.urlopen(inst.url + "/health", timeout=5) as r:  # health needs no key
+            assert r.status == 200
+    finally:
+        inst.stop()

@@ -1,0 +1,110 @@
+"""Start-up and shutdown: /health while starting or broken, overload, SIGTERM with TP ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+import urllib.request
+
+import httpx
+import pytest
+
+from servers import post_json, start_server
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_sigterm_finishes_in_flight_and_leaves_no_process(tiny_model, tmp_path):
+    inst = start_server(tiny_model, tmp_path, "--shutdown-timeout-s", "20", tp=2, num_blocks=64)
+    pgid = inst.proc.pid
+    ranks = [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == pgid]
+    assert len(ranks) >= 2  # the server and its spawned TP rank (plus spawn helpers)
+    result = {}
+
+    def in_flight():
+        result["r"] = post_json(inst.url + "/v1/completions",
+                                {"prompt": "finish me", "max_tokens": 40, "ignore_eos": True}, timeout=60)
+    t = threading.Thread(target=in_flight)
+    t.start()
+    time.sleep(0.3)
+    os.kill(inst.proc.pid, signal.SIGTERM)
+    t.join(60)
+    inst.proc.wait(60)
+    code, body = result["r"]
+    assert code == 200 and body["usage"]["completion_tokens"] == 40  # finished, not cut
+    deadline = time.monotonic() + 10
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _group_alive(pgid), "TP rank processes outlived the server"
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def test_health_is_503_when_the_engine_cannot_start(tiny_model, tmp_path):
+    bad = tmp_path / "bad-model"
+    shutil.copytree(tiny_model, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["NoSuchForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    inst = start_server(str(bad), tmp_path, wait=False)
+    try:
+        deadline = time.monotonic() + 60
+        while _port(inst) is None:
+            assert time.monotonic() < deadline, "the server never bound its port"
+            time.sleep(0.1)
+        while True:
+            try:
+                urllib.request.urlopen(inst.url + "/health", timeout=5)
+            except urllib.error.HTTPError as e:
+                body = json.loads(e.read())
+                assert e.code == 503
+                if "failed" in body["error"]["message"]:
+                    assert "NoSuchForCausalLM" in body["error"]["message"]
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            assert time.monotonic() < deadline, "no 503 naming the failure"
+            time.sleep(0.2)
+        code, resp = post_json(inst.url + "/v1/completions", {"prompt": "x"})
+        assert code == 503 and "NoSuchForCausalLM" in resp["error"]["message"]
+    finally:
+        inst.stop()
+
+
+def _port(inst) -> int | None:
+    if inst.port is None and inst.port_file.exists():
+        inst.port = json.loads(inst.port_file.read_text())["port"]
+    return inst.port
+
+
+def test_overload_is_503(tiny_model, tmp_path):
+    inst = start_server(tiny_model, tmp_path, "--max-pending", "1", num_blocks=64)
+    try:
+        with httpx.Client(timeout=30) as h:
+            with h.stream("POST", inst.url + "/v1/completions",
+                          json={"prompt": "long one", "max_tokens": 500, "ignore_eos": True,
+                                "stream": True}) as r:
+                next(r.iter_lines())
+                code, resp = post_json(inst.url + "/v1/completions", {"prompt": "x", "max_tokens": 1})
+                assert code == 503 and resp["error"]["type"] == "ServiceUnavailableError"
+        deadline = time.monotonic() + 10
+        while post_json(inst.url + "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        inst.stop()
