@@ -10,10 +10,10 @@ import random
 import httpx
 import pytest
 
-from conftest import start_deployment
+
 from helpers import assert_greedy_match, hf_reference
 from pdserve.kv_transfer.topology import producer_ranks_for
-from servers import get_json, metric, post_json, stats, wait_idle
+from servers import get_json, metric, post_json, start_deployment, stats, wait_idle
 
 COMBOS = [("tiny", 1, 1), ("tiny", 1, 2), ("tiny", 2, 1), ("tiny", 2, 2), ("kv1", 1, 2), ("kv1", 2, 1)]
 LENGTHS = [5, 16, 100]  # shorter than a block, exactly one, many
