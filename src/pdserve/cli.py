@@ -120,11 +120,11 @@ def engine_config(args) -> EngineConfig:
 
 
 def _serve(args) -> int:
+    cpus = parse_cpus(args.cpus)
+    if cpus:  # before torch starts any thread: every thread of this instance inherits it
+        os.sched_setaffinity(0, cpus)
     from pdserve.server.runner import run_server
     args.model = ensure_model(args.model)
-    cpus = parse_cpus(args.cpus)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
     server = ServerConfig(
         host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"), max_pending=args.max_pending,

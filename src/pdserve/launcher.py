@@ -42,10 +42,16 @@ class Instance:
         self.port_file = log_dir / f"{tag}.port"
         self.log_path = log_dir / f"{tag}.log"
         cmd = [sys.executable, "-m", "pdserve.cli", *self.args, "--port-file", str(self.port_file)]
+        cpus = self.cpus
+
+        def child_setup():
+            _die_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          env={**os.environ, **(env or {})},
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+                                         start_new_session=True, preexec_fn=child_setup)
         return self
 
     def wait_healthy(self, timeout_s: float = 180.0) -> "Instance":
