@@ -97,11 +97,13 @@ def test_overload_is_503(tiny_model, tmp_path):
     try:
         with httpx.Client(timeout=30) as h:
             with h.stream("POST", inst.url + "/v1/completions",
-                          json={"prompt": "long one", "max_tokens": 500, "ignore_eos": True,
+                          json={"prompt": "long one", "max_tokens": 1000, "ignore_eos": True,
                                 "stream": True}) as r:
-                next(r.iter_lines())
+                lines = r.iter_lines()  # keep a reference: a collected iterator closes the stream
+                next(lines)  # in flight: 1000 tokens take far longer than one request
                 code, resp = post_json(inst.url + "/v1/completions", {"prompt": "x", "max_tokens": 1})
-                assert code == 503 and resp["error"]["type"] == "ServiceUnavailableError"
+                assert sum(1 for line in lines if line.startswith("data: {")) > 100  # still ran
+        assert code == 503 and resp["error"]["type"] == "ServiceUnavailableError", resp
         deadline = time.monotonic() + 10
         while post_json(inst.url + "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] != 200:
             assert time.monotonic() < deadline
