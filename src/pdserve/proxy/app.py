@@ -10,11 +10,9 @@ proxy answers from the producer alone.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,6 +23,7 @@ from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.router import Router
 from pdserve.proxy.upstream import Upstream, UpstreamError
 from pdserve.server.errors import APIError
+from pdserve.server.middleware import RequestContext
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -46,15 +45,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
             await u.close()
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)
+    app.add_middleware(RequestContext, api_key=config.api_key, log=False)
     app.state.router = router
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
-                return APIError(401, "missing or invalid API key").response()
-        return await call_next(request)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -96,7 +88,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
             raise APIError(400, f"request body is not valid JSON: {e}", param="body") from None
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object", param="body")
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        rid = request.state.request_id
         headers = {"X-Request-Id": rid}
         prefill, decode = router.prefill.pick(), router.decode.pick()
 

@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
-import hmac
 import logging
-import time
-import uuid
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -25,21 +21,13 @@ from pdserve.sampling_params import InvalidRequestError
 from pdserve.server.async_engine import AsyncEngine, EngineDeadError
 from pdserve.server.errors import APIError, validation_error
 from pdserve.server.metrics import ServerMetrics
+from pdserve.server.middleware import RequestContext
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pdserve.server.serving import InFlight
 from pdserve.server.serving_chat import ChatServing
 from pdserve.server.serving_completion import CompletionServing
 
 logger = logging.getLogger("pdserve.server")
-request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
-
-
-class RequestIdFilter(logging.Filter):
-    """Puts the current request id on every log record (`%(request_id)s`)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.request_id = request_id_var.get()
-        return True
 
 
 def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
@@ -60,32 +48,16 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
             await engine.stop()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.add_middleware(RequestContext, api_key=server.api_key)
     app.state.engine = engine
     app.state.metrics = metrics
-
-    @app.middleware("http")
-    async def request_context(request: Request, call_next):
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        request_id_var.set(rid)
-        request.state.request_id = rid
-        if server.api_key and request.url.path.startswith("/v1"):
-            auth = request.headers.get("authorization", "")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {server.api_key}".encode()):
-                return APIError(401, "missing or invalid API key").response({"X-Request-Id": rid})
-        start = time.monotonic()
-        response = await call_next(request)
-        response.headers["X-Request-Id"] = rid
-        if request.url.path.startswith("/v1"):
-            logger.info("%s %s -> %d in %.3f s", request.method, request.url.path,
-                        response.status_code, time.monotonic() - start)
-        return response
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         metrics.errors.labels(model_name, str(e.status)).inc()
         if e.status >= 500:
             logger.error("request failed: %s", e.message)
-        return e.response({"X-Request-Id": request.state.request_id})
+        return e.response()
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(request: Request, e: InvalidRequestError):

@@ -52,8 +52,7 @@ class ChatServing(BaseServing):
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self._stream(response_id, choices, streams, include_usage, req.n,
                                                   req.return_token_ids),
-                                     media_type="text/event-stream",
-                                     headers={"X-Request-Id": request_id})
+                                     media_type="text/event-stream")
         watcher = asyncio.create_task(self.watch_disconnect(raw_request, choices))
         try:
             async for _ in self.merged(choices, streams):
@@ -72,7 +71,7 @@ class ChatServing(BaseServing):
                      for c in choices],
             usage=self.usage(choices, 1, req.n),
             kv_transfer_params=choices[0].kv_transfer_params if len(choices) == 1 else None)
-        return JSONResponse(body.model_dump(), headers={"X-Request-Id": request_id})
+        return JSONResponse(body.model_dump())
 
     async def _stream(self, response_id: str, choices: list[Choice], streams, include_usage: bool,
                       n: int, token_ids: bool):

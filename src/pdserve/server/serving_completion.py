@@ -42,7 +42,7 @@ class CompletionServing(BaseServing):
             return StreamingResponse(
                 self._stream(response_id, choices, streams, include_usage, len(prompts), req.n,
                              req.return_token_ids),
-                media_type="text/event-stream", headers={"X-Request-Id": request_id})
+                media_type="text/event-stream")
         watcher = asyncio.create_task(self.watch_disconnect(raw_request, choices))
         try:
             async for _ in self.merged(choices, streams):
@@ -61,7 +61,7 @@ class CompletionServing(BaseServing):
                      for c in choices],
             usage=self.usage(choices, len(prompts), req.n),
             kv_transfer_params=choices[0].kv_transfer_params if len(choices) == 1 else None)
-        return JSONResponse(body.model_dump(), headers={"X-Request-Id": request_id})
+        return JSONResponse(body.model_dump())
 
     async def _stream(self, response_id: str, choices: list[Choice], streams, include_usage: bool,
                       num_prompts: int, n: int, token_ids: bool):

@@ -1,0 +1,62 @@
+"""Pure ASGI middleware of the server and the proxy: request id, API key, one log line per request.
+
+Server and proxy processes. Plain ASGI rather than Starlette's BaseHTTPMiddleware, which relays
+every streamed chunk through an extra task and memory stream.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hmac
+import logging
+import time
+import uuid
+
+from pdserve.server.errors import APIError
+
+logger = logging.getLogger("pdserve.server")
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+
+class RequestIdFilter(logging.Filter):
+    """Puts the current request id on every log record (`%(request_id)s`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id_var.get()
+        return True
+
+
+class RequestContext:
+    """Takes the client's X-Request-Id (or makes one), echoes it on the response, checks the API
+    key on /v1 routes, and logs each /v1 request with its status and time to first byte."""
+
+    def __init__(self, app, api_key: str | None = None, log: bool = True):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.log = log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        request_id_var.set(rid)
+        path = scope.get("path", "")
+        start = time.monotonic()
+        rid_header = (b"x-request-id", rid.encode("latin-1"))
+
+        if self.expected and path.startswith("/v1") and \
+                not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            response = APIError(401, "missing or invalid API key").response({"X-Request-Id": rid})
+            return await response(scope, receive, send)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [h for h in message.get("headers", [])
+                                      if h[0].lower() != b"x-request-id"] + [rid_header]
+                if self.log and path.startswith("/v1"):
+                    logger.info("%s %s -> %d in %.3f s", scope.get("method"), path,
+                                message["status"], time.monotonic() - start)
+            await send(message)
+        await self.app(scope, receive, send_with_id)
