@@ -158,7 +158,8 @@ def bench_pair(model, spec, p_tp, d_tp, repeats) -> list[dict]:
 
     def read(local, remote):
         state["seq"] += 1
-        spec_read = ReadSpec(f"r{state['seq']}", "producer", "p", remote, local, p_tp, time.monotonic() + 60)
+        spec_read = ReadSpec(f"r{state['seq']}", "producer", "p", remote, local, p_tp,
+                             time.monotonic() + 60, 60.0)
         meta = ConnectorMetadata("consumer", load_peers=[peer] if state["first"] else [], reads=[spec_read])
         state["first"] = False
         results = [r[0] for r in consumers.step([meta] * d_tp)]

@@ -19,7 +19,7 @@ def _ask(client, port, timeout=2.0):
 def test_hmac_required_when_a_secret_is_set():
     served = []
     server = SideChannelServer("127.0.0.1", 0, b"s3cret",
-                               lambda m: served.append(m) or HeartbeatAck([True], 30.0))
+                               lambda m: served.append(m) or HeartbeatAck([True], 30.0, 60.0))
     good, bad, none = SideChannelClient(b"s3cret"), SideChannelClient(b"wrong"), SideChannelClient(None)
     try:
         assert isinstance(_ask(good, server.port), HeartbeatAck)
@@ -38,8 +38,8 @@ def test_hmac_required_when_a_secret_is_set():
 
 def test_timeout_and_concurrency():
     gate = threading.Event()
-    slow = SideChannelServer("127.0.0.1", 0, None, lambda m: gate.wait(5) and HeartbeatAck([True], 1.0))
-    fast = SideChannelServer("127.0.0.1", 0, None, lambda m: HeartbeatAck([False], 1.0))
+    slow = SideChannelServer("127.0.0.1", 0, None, lambda m: gate.wait(5) and HeartbeatAck([True], 1.0, 2.0))
+    fast = SideChannelServer("127.0.0.1", 0, None, lambda m: HeartbeatAck([False], 1.0, 2.0))
     client = SideChannelClient(None)
     try:
         results = queue.Queue()

@@ -87,6 +87,8 @@ def test_bad_kv_transfer_params_are_400_and_leak_nothing(producer, decode):
     assert code == 400 and body["error"]["param"] == "kv_transfer_params.prompt_hash", body
     code, body = decode_request(decode, ids, kv, n=2)
     assert code == 400 and body["error"]["param"] == "n"
+    code, body = decode_request(decode, ids, kv, logprobs=2)  # the producer was not asked for them
+    assert code == 400 and body["error"]["param"] == "kv_transfer_params.first_token_logprob", body
     s = wait_idle(decode)
     assert s["num_free_blocks"] == s["num_blocks"]
     code, body = decode_request(decode, ids, kv)  # the untouched params still work
@@ -191,3 +193,34 @@ def test_incompatible_producer_is_named(tiny_kv1_model, logs, decode):
         assert wait_idle(other)["num_free_blocks"] == stats(other)["num_blocks"]  # released
     finally:
         other.stop()
+
+
+def test_consumer_that_gives_up_before_reading_releases_the_producer(tiny_model, logs, producer):
+    """A decode instance with one sequence slot, busy: the P/D request waits in its queue; the client
+    leaves; the producer is told to release at once (not after its lease)."""
+    busy = start_server(tiny_model, logs, "--max-num-seqs", "1", role="decode-busy")
+    try:
+        with httpx.Client(timeout=60) as h:
+            with h.stream("POST", busy.url + "/v1/completions",
+                          json={"prompt": "occupy", "max_tokens": 1000, "ignore_eos": True,
+                                "stream": True}) as hog:
+                hog_lines = hog.iter_lines()
+                next(hog_lines)
+                ids = prompt(40, seed=9)
+                kv = prefill(producer, ids)
+                released = metric(producer, "pdserve:kv_leases_released_total")
+                with h.stream("POST", busy.url + "/v1/completions",
+                              json={"prompt": ids, "max_tokens": 16, "stream": True,
+                                    "kv_transfer_params": kv}) as r:
+                    lines = r.iter_lines()
+                    first = next(l for l in lines if l.startswith("data: {"))
+                    assert json.loads(first[6:])["choices"][0]["text"] is not None
+                deadline = time.monotonic() + 5
+                while metric(producer, "pdserve:kv_leases_released_total") == released:
+                    assert time.monotonic() < deadline, "the producer was never told to release"
+                    time.sleep(0.05)
+        s = wait_idle(producer, timeout_s=5)
+        assert s["num_free_blocks"] == s["num_blocks"]
+        assert wait_idle(busy)["num_free_blocks"] == stats(busy)["num_blocks"]
+    finally:
+        busy.stop()

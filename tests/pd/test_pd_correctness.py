@@ -116,3 +116,16 @@ def test_one_handshake_per_producer_and_no_leak(pd):
         s = wait_idle(inst)
         assert s["num_free_blocks"] == s["num_blocks"], (inst.role, s)
     assert stats(prefill)["kv_transfer"]["leases_active"] == 0
+
+
+def test_logprobs_through_the_proxy(pd):
+    """The first token's logprobs come from the producer, the rest from decode: all as colocated."""
+    ids = prompt(30, seed=9)
+    body = complete(pd.proxy.url, ids, logprobs=3)
+    ref = hf_reference(pd.model, ids, MAX_TOKENS)
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(body["choices"][0]["token_ids"])
+    for step, (got, top, expected) in enumerate(zip(lp["token_logprobs"], lp["top_logprobs"],
+                                                    ref.top_logprobs)):
+        assert abs(got - expected[0][1]) < 1e-4, step  # greedy: the sampled token is the top one
+        assert len(top) == 3

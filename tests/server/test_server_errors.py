@@ -60,6 +60,11 @@ def test_bad_chat_requests(server):
         assert code == 400 and resp["error"]["param"] == field, resp
 
 
+def test_token_id_zero_is_a_valid_prompt_token(server):
+    code, resp = post_json(server.url + "/v1/completions", {"prompt": [0, 5, 7], "max_tokens": 2})
+    assert code == 200, resp
+
+
 def test_invalid_json(server):
     req = urllib.request.Request(server.url + "/v1/completions", b"{not json",
                                  {"Content-Type": "application/json"})

@@ -106,6 +106,11 @@ class Engine:
             kv_transfer.check_against(prompt_token_ids, self.config.cache.block_size,
                                       self.config.parallel.tensor_parallel_size, self.spec.num_heads,
                                       self.spec.num_kv_heads, self.spec.vocab_size)
+            if kv_transfer.do_remote_prefill and params.logprobs is not None \
+                    and kv_transfer.first_token.logprob is None:
+                raise InvalidRequestError("kv_transfer_params.first_token_logprob",
+                                          "is required when logprobs are requested (send the "
+                                          "request to the producer with logprobs too)")
         max_tokens = self.max_model_len - n
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)

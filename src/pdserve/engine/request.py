@@ -62,6 +62,8 @@ class Request:
         self.sent_to_workers = False  # the sampler on rank 0 knows this request
         self.handoff_to_decode = False  # P/D producer: finished here, a decode instance continues
         self.kv_load_failed = False  # P/D consumer: the remote KV could not be loaded (recomputing)
+        self.kv_loaded = False  # P/D consumer: the remote KV arrived
+        self.kv_released = False  # P/D consumer: the producer was told to free its blocks
         self.stop_reason: str | int | None = None
         # detokenization state (see text/detokenizer.py)
         self.detok = None

@@ -176,8 +176,11 @@ class Scheduler:
         return True
 
     def _admit_remote(self, request: Request) -> bool:
-        """P/D consumer: allocate the prompt's blocks and hand the request to the connector."""
-        needed = self.pool.blocks_needed(request.num_prompt_tokens)
+        """P/D consumer: allocate blocks for the prompt and the producer's first token, and hand
+        the request to the connector. Requests loading KV count against max_num_seqs."""
+        if len(self.running) + self.connector.num_loading >= self.config.max_num_seqs:
+            return False
+        needed = self.pool.blocks_needed(request.num_prompt_tokens + 1)
         if needed > self.pool.num_free_blocks:
             return False
         request.block_ids = self.pool.allocate(needed)

@@ -5,7 +5,8 @@ channel's thread (off the step loop) with a timeout; the producer's TP size come
 the handshake asks only for the producer ranks this instance's ranks read from. Per request: a
 heartbeat on admission and every lease/3 (the READ is posted only before the conservative deadline
 that the last acknowledged heartbeat gives), then one READ per rank, then a transition once every
-rank has reported. Whoever gives up (client abort, failure) tells the producer to release.
+rank has reported, or a failure when they have not within the READ timeout (the blocks are then
+quarantined: a READ may still land). Whoever gives up tells the producer to release.
 """
 
 from __future__ import annotations
@@ -16,34 +17,17 @@ import logging
 import queue
 import time
 
-import msgspec
-
 from pdserve.config import KVTransferConfig
 from pdserve.engine.request import Request
+from pdserve.kv_transfer.handshake import HandshakeError, Peer, PeerState, accept_reply, ranks_to_ask
 from pdserve.kv_transfer.messages import (HANDSHAKE_VERSION, ConnectorReport, Fingerprint,
-                                          HandshakePayload, HandshakeReply, HandshakeRequest,
-                                          Heartbeat, HeartbeatAck, PeerAgents, ReadDone, ReadFailure,
-                                          ReadSpec, Release)
+                                          HandshakeRequest, Heartbeat, HeartbeatAck, PeerAgents,
+                                          ReadDone, ReadFailure, ReadSpec, Release)
 from pdserve.kv_transfer.side_channel import SideChannelClient
-from pdserve.kv_transfer.topology import producer_ranks_for
 
 logger = logging.getLogger(__name__)
 
-
-class PeerState(enum.Enum):
-    HANDSHAKING = "handshaking"
-    READY = "ready"
-
-
-@dataclasses.dataclass
-class Peer:
-    engine_id: str
-    host: str
-    port: int
-    tp_size: int
-    state: PeerState = PeerState.HANDSHAKING
-    agents: PeerAgents | None = None
-    sent_to_workers: bool = False
+REPORT_GRACE_S = 5.0  # after the READ timeout, how long the ranks get to report before we stop waiting
 
 
 class LoadState(enum.Enum):
@@ -58,6 +42,7 @@ _TRANSITIONS = {
     LoadState.READY: {LoadState.READING},
     LoadState.READING: {LoadState.ABORTING},
 }
+_WAITING = (LoadState.WAITING_PEER, LoadState.READY)
 
 
 @dataclasses.dataclass
@@ -65,7 +50,9 @@ class Load:
     request: Request
     state: LoadState = LoadState.WAITING_PEER
     deadline: float | None = None  # monotonic; no READ may be posted after it
+    quarantine_s: float = 0.0  # the producer's; our READ timeout stays below half of it
     last_heartbeat: float = 0.0
+    reports_due: float = 0.0  # READING: the ranks must have reported by then
     results: dict[int, ReadDone | ReadFailure] = dataclasses.field(default_factory=dict)
 
     @property
@@ -89,9 +76,9 @@ class ConsumerSide:
         self.peers: dict[str, Peer] = {}
         self.loads: dict[str, Load] = {}
         self._evict: list[str] = []
-        self.counters = {"nixl_handshakes": 0, "nixl_handshake_round_trips": 0,
-                         "nixl_handshake_failures": 0, "nixl_num_failed_transfers": 0,
-                         "kv_transfers": 0, "kv_heartbeats": 0}
+        self._engine_ids_seen: set[str] = set()
+        self.counters = {"nixl_handshake_round_trips": 0, "nixl_handshake_failures": 0,
+                         "nixl_num_failed_transfers": 0, "kv_transfers": 0, "kv_heartbeats": 0}
         self.transfers: list[dict] = []
         self.handshake_latencies: list[float] = []
 
@@ -112,39 +99,40 @@ class ConsumerSide:
 
     def _handshake(self, engine_id: str, host: str, port: int, producer_tp: int) -> Peer:
         for other in [p for p in self.peers.values() if (p.host, p.port) == (host, port)]:
-            logger.info("producer at %s:%d is now %s; dropping %s", host, port, engine_id, other.engine_id)
-            self._evict_peer(other.engine_id)
+            self._evict_peer(other.engine_id, f"producer at {host}:{port} restarted as {engine_id}")
         peer = Peer(engine_id, host, port, producer_tp)
         self.peers[engine_id] = peer
-        ranks = sorted({r for c in range(self.tp_size)
-                        for r in producer_ranks_for(c, producer_tp, self.tp_size, self.num_kv_heads)})
-        self.counters["nixl_handshakes"] += 1
+        self._engine_ids_seen.add(engine_id)
         started = time.monotonic()
-        self.client.send(host, port, HandshakeRequest(HANDSHAKE_VERSION, engine_id, ranks),
-                         self.config.handshake_timeout_s,
+        request = HandshakeRequest(HANDSHAKE_VERSION, engine_id,
+                                   ranks_to_ask(producer_tp, self.tp_size, self.num_kv_heads))
+        self.client.send(host, port, request, self.config.handshake_timeout_s,
                          lambda reply: self._event(("handshake", engine_id, started, reply)))
         return peer
 
     def _heartbeat(self, peer: Peer, loads: list[Load], now: float) -> None:
-        ids = [l.params.remote_request_id for l in loads]
         for l in loads:
             l.last_heartbeat = now
         self.counters["kv_heartbeats"] += 1
-        msg = Heartbeat(self.engine.engine_id, self.tp_size, ids)
+        msg = Heartbeat(self.engine.engine_id, self.tp_size, [l.params.remote_request_id for l in loads])
+        ids = [l.request.request_id for l in loads]
         self.client.send(peer.host, peer.port, msg, self.config.handshake_timeout_s,
-                         lambda reply: self._event(("heartbeat", peer.engine_id, now,
-                                                    [l.request.request_id for l in loads], reply)))
+                         lambda reply: self._event(("heartbeat", peer.engine_id, now, ids, reply)))
 
     def _event(self, event: tuple) -> None:
         """Side-channel thread: hand a reply to the engine thread and wake it."""
         self._events.put(event)
         self.engine.wake()
 
-    def _release(self, load: Load, reason: str) -> None:
-        p = load.params
-        msg = Release(self.engine.engine_id, [p.remote_request_id], reason)
-        self.client.send(p.remote_host, p.remote_port, msg, self.config.handshake_timeout_s,
-                         lambda reply: None)
+    def release(self, request: Request, reason: str) -> None:
+        """Tell the producer to free this request's blocks (once; the producer ignores repeats)."""
+        if request.kv_released:
+            return
+        request.kv_released = True
+        p = request.kv_transfer
+        self.client.send(p.remote_host, p.remote_port,
+                         Release(self.engine.engine_id, [p.remote_request_id], reason),
+                         self.config.handshake_timeout_s, lambda reply: None)
 
     # --- engine thread, every loop turn ----------------------------------------------------------
 
@@ -159,7 +147,10 @@ class ConsumerSide:
             else:
                 self._on_heartbeat(*event[1:])
         due: dict[str, list[Load]] = {}
-        for load in self.loads.values():
+        for load in list(self.loads.values()):
+            if load.state in (LoadState.READING, LoadState.ABORTING) and now > load.reports_due:
+                self._finish(load, stalled=True)
+                continue
             period = (load.params.lease_s or self.config.lease_s) / 3
             if now - load.last_heartbeat >= period and load.state != LoadState.ABORTING:
                 due.setdefault(load.params.remote_engine_id, []).append(load)
@@ -171,63 +162,35 @@ class ConsumerSide:
     def _on_handshake(self, engine_id: str, started: float, reply) -> None:
         self.counters["nixl_handshake_round_trips"] += 1
         peer = self.peers.get(engine_id)
-        if peer is None:
+        if peer is None or peer.state == PeerState.READY:
             return
-        error = self._check_handshake(engine_id, reply)
-        if error is None:
-            payload = msgspec.msgpack.decode(reply.payload, type=HandshakePayload)
-            if payload.tp_size != peer.tp_size:
-                error = (f"producer {engine_id} has tp_size={payload.tp_size}, the request said "
-                         f"{peer.tp_size}")
-            else:
-                peer.agents = PeerAgents(engine_id, payload.tp_size, payload.ranks)
-                peer.state = PeerState.READY
-                self.handshake_latencies.append(time.monotonic() - started)
-                self._promote(peer)
-                return
-        self.counters["nixl_handshake_failures"] += 1
-        logger.warning("handshake with %s failed: %s", engine_id, error)
-        del self.peers[engine_id]
-        for load in [l for l in self.loads.values() if l.params.remote_engine_id == engine_id]:
-            self._fail(load, f"KV handshake with producer {engine_id} failed: {error}")
-
-    def _check_handshake(self, engine_id: str, reply) -> str | None:
-        """Version and fingerprint first; the payload is decoded only if they agree."""
-        if isinstance(reply, BaseException):
-            kind = "timed out" if isinstance(reply, TimeoutError) else "failed"
-            return f"producer unreachable (handshake {kind} after {self.config.handshake_timeout_s:g} s: {reply})"
-        if not isinstance(reply, HandshakeReply):
-            return f"unexpected reply {type(reply).__name__}"
-        if reply.version != HANDSHAKE_VERSION:
-            return f"handshake version {reply.version}, expected {HANDSHAKE_VERSION}"
-        if reply.error:
-            return reply.error
-        if reply.fingerprint != self.fingerprint:
-            diff = "; ".join(self.fingerprint.differences(reply.fingerprint))
-            return f"incompatible producer: {diff}"
-        if reply.engine_id != engine_id:
-            return f"reached engine {reply.engine_id}, expected {engine_id}"
-        return None
+        try:
+            peer.agents = accept_reply(reply, peer, self.fingerprint, self.config.handshake_timeout_s)
+        except HandshakeError as e:
+            self.counters["nixl_handshake_failures"] += 1
+            logger.warning("handshake with %s failed: %s", engine_id, e)
+            self._evict_peer(engine_id, f"KV handshake with producer {engine_id} failed: {e}")
+            return
+        peer.state = PeerState.READY
+        self.handshake_latencies.append(time.monotonic() - started)
+        self._promote(peer)
 
     def _on_heartbeat(self, engine_id: str, sent_at: float, request_ids: list[str], reply) -> None:
-        if isinstance(reply, BaseException) or not isinstance(reply, HeartbeatAck):
-            for rid in request_ids:
-                load = self.loads.get(rid)
-                if load is not None and load.state in (LoadState.WAITING_PEER, LoadState.READY):
-                    self._evict_peer(engine_id)
-                    self._fail(load, f"producer {engine_id} unreachable (heartbeat: {reply})")
+        if not isinstance(reply, HeartbeatAck):
+            if any(rid in self.loads and self.loads[rid].state in _WAITING for rid in request_ids):
+                self._evict_peer(engine_id, f"producer {engine_id} unreachable (heartbeat: {reply})")
             return
         for rid, alive in zip(request_ids, reply.alive):
             load = self.loads.get(rid)
             if load is None:
                 continue
             if not alive:
-                if load.state in (LoadState.WAITING_PEER, LoadState.READY):
+                if load.state in _WAITING:
                     self._fail(load, f"producer {engine_id} no longer holds the KV of "
                                      f"{load.params.remote_request_id} (lease expired or released)")
                 continue
-            lease = reply.lease_s
-            load.deadline = sent_at + lease - max(0.1 * lease, 0.05)
+            load.deadline = sent_at + reply.lease_s - max(0.1 * reply.lease_s, 0.05)
+            load.quarantine_s = reply.quarantine_s
         peer = self.peers.get(engine_id)
         if peer is not None:
             self._promote(peer)
@@ -250,20 +213,25 @@ class ConsumerSide:
                 peers.append(peer.agents)
         evict, self._evict = self._evict, []
         reads = []
-        for load in list(self.loads.values()):
-            if load.state != LoadState.READY:
-                continue
+        now = time.monotonic()
+        for load in [l for l in self.loads.values() if l.state == LoadState.READY]:
             p = load.params
-            peer = self.peers[p.remote_engine_id]
-            too_big = [b for b in p.remote_block_ids if b >= min(r.num_blocks for r in peer.agents.ranks)]
+            peer = self.peers.get(p.remote_engine_id)
+            if peer is None or peer.state != PeerState.READY:
+                self._fail(load, f"producer {p.remote_engine_id} is no longer reachable")
+                continue
+            pool_size = min(r.num_blocks for r in peer.agents.ranks)
+            too_big = [b for b in p.remote_block_ids if b >= pool_size]
             if too_big:
                 self._fail(load, f"kv_transfer_params.remote_block_ids {too_big[:4]} are beyond the "
-                                 f"producer's pool ({peer.agents.ranks[0].num_blocks} blocks)")
+                                 f"producer's pool ({pool_size} blocks)")
                 continue
+            timeout = min(self.config.transfer_timeout_s, load.quarantine_s / 2)
             load.move_to(LoadState.READING)
+            load.reports_due = now + timeout + REPORT_GRACE_S
+            local = load.request.block_ids[:len(p.remote_block_ids)]
             reads.append(ReadSpec(load.request.request_id, p.remote_engine_id, p.remote_request_id,
-                                  list(p.remote_block_ids), list(load.request.block_ids),
-                                  p.tp_size, load.deadline))
+                                  list(p.remote_block_ids), local, p.tp_size, load.deadline, timeout))
         return peers, evict, reads
 
     def process(self, reports: list[ConnectorReport]) -> None:
@@ -275,41 +243,43 @@ class ConsumerSide:
         for load in [l for l in self.loads.values() if len(l.results) == self.tp_size]:
             self._finish(load)
 
-    def _finish(self, load: Load) -> None:
-        failures = [r for r in load.results.values() if isinstance(r, ReadFailure)]
+    def _finish(self, load: Load, stalled: bool = False) -> None:
+        """Every rank reported (or, `stalled`, some never did within the READ timeout)."""
         request = load.request
-        if not failures:
+        del self.loads[request.request_id]
+        failures = [r for r in load.results.values() if isinstance(r, ReadFailure)]
+        if not failures and not stalled:
             done = list(load.results.values())
             self.counters["kv_transfers"] += 1
             self.transfers.append({"num_bytes": sum(d.num_bytes for d in done),
                                    "num_descriptors": sum(d.num_descriptors for d in done),
                                    "duration_s": max(d.duration_s for d in done)})
-            del self.loads[request.request_id]
+            request.kv_loaded = True
             if load.state == LoadState.ABORTING:
                 self.engine.finish_aborted(request)
             else:
                 self.engine.scheduler.remote_kv_loaded(request)
             return
         self.counters["nixl_num_failed_transfers"] += 1
-        if any(f.peer_gone for f in failures):
-            self._evict_peer(load.params.remote_engine_id)
-        if any(f.in_doubt for f in failures):  # a READ may still land in these blocks
+        reasons = sorted({f.reason for f in failures}) or ["some ranks never reported their READ"]
+        if any(f.peer_gone for f in failures) or stalled:
+            self._evict_peer(load.params.remote_engine_id, "; ".join(reasons))
+        if stalled or any(f.in_doubt for f in failures):  # a READ may still land in these blocks
             self.engine.pool.quarantine_blocks(request.block_ids,
                                                time.monotonic() + 2 * self.config.transfer_timeout_s)
             request.block_ids = []
         if load.state == LoadState.ABORTING:
-            del self.loads[request.request_id]
-            self._release(load, "client aborted")
+            self.release(request, "client aborted")
             self.engine.finish_aborted(request)
             return
         self._fail(load, f"KV transfer from producer {load.params.remote_engine_id} failed: "
-                         + "; ".join(sorted({f.reason for f in failures})))
+                         + "; ".join(reasons))
 
     def _fail(self, load: Load, message: str) -> None:
         """Policy `fail`: the client gets `message`; `recompute`: prefill here instead."""
         request = load.request
         self.loads.pop(request.request_id, None)
-        self._release(load, message)
+        self.release(request, message)
         if self.config.failure_policy == "recompute":
             logger.warning("%s: %s; recomputing the prompt locally", request.request_id, message)
             request.kv_load_failed = True
@@ -318,10 +288,16 @@ class ConsumerSide:
             logger.warning("%s: %s", request.request_id, message)
             self.engine.fail_request(request, message)
 
-    def _evict_peer(self, engine_id: str) -> None:
+    def _evict_peer(self, engine_id: str, reason: str) -> None:
+        """Forget a producer (the next request naming it handshakes again). Its requests that have
+        not started reading cannot progress: they fail (or recompute) with `reason`; the ranks drop
+        its agents once their in-flight READs from it have ended."""
         peer = self.peers.pop(engine_id, None)
         if peer is not None and peer.sent_to_workers:
             self._evict.append(engine_id)
+        for load in [l for l in self.loads.values()
+                     if l.params.remote_engine_id == engine_id and l.state in _WAITING]:
+            self._fail(load, reason)
 
     def abort(self, request: Request) -> bool:
         """True when the engine must wait (a READ into the request's blocks may be in flight)."""
@@ -333,10 +309,15 @@ class ConsumerSide:
                 load.move_to(LoadState.ABORTING)
             return True
         del self.loads[request.request_id]
-        self._release(load, "client aborted")
+        self.release(request, "client aborted")
         return False
 
-    # --- scheduling hints -----------------------------------------------------------------------
+    def request_finished(self, request: Request) -> None:
+        """A consumer request ended before its KV was ever loaded (aborted while queued, say)."""
+        if not request.kv_loaded and request.request_id not in self.loads:
+            self.release(request, f"request ended ({request.status.value}) before reading")
+
+    # --- scheduling hints and counters ------------------------------------------------------------
 
     @property
     def has_ready(self) -> bool:
@@ -349,6 +330,9 @@ class ConsumerSide:
     def next_heartbeat(self) -> float | None:
         return min(((l.last_heartbeat + (l.params.lease_s or self.config.lease_s) / 3)
                     for l in self.loads.values()), default=None)
+
+    def counter_values(self) -> dict:
+        return {**self.counters, "nixl_handshakes": len(self._engine_ids_seen)}
 
     def close(self) -> None:
         self.client.close()

@@ -62,6 +62,7 @@ class ReadSpec(msgspec.Struct, frozen=True):
     local_block_ids: list[int]
     remote_tp_size: int
     deadline: float  # time.monotonic(): never post the READ after this (the producer's lease)
+    timeout_s: float  # abandon the READ after this long (below the producer's quarantine)
 
 
 class ConnectorMetadata(msgspec.Struct):
@@ -113,7 +114,7 @@ class ConnectorReport(msgspec.Struct):
     done: list[ReadDone] = []
     failed: list[ReadFailure] = []
     notifications: list[ReceivedNotification] = []
-    loaded_peers: list[str] = []  # "engine_id/rank" of every remote agent this rank has loaded
+    num_bad_notifications: int = 0  # received but undecodable
 
 
 # --- consumer engine <-> producer engine, side channel ------------------------------------------
@@ -148,6 +149,7 @@ class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
 class HeartbeatAck(msgspec.Struct, frozen=True, tag="heartbeat_ack"):
     alive: list[bool]  # per request id: still leased (renewed now)
     lease_s: float
+    quarantine_s: float  # how long expired blocks stay out of reuse: a READ must end well before
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):

@@ -38,6 +38,7 @@ class ProducerSide:
         self.quarantine_s = 2 * config.transfer_timeout_s
         self._params: dict[str, dict] = {}
         self.num_handshakes_served = 0
+        self.num_bad_notifications = 0
         self.server = SideChannelServer(config.side_channel_host, config.side_channel_port,
                                         config.secret, self._handle)
         self.host = config.advertise
@@ -76,7 +77,8 @@ class ProducerSide:
     def take_params(self, request: Request) -> dict | None:
         return self._params.pop(request.request_id, None)
 
-    def process_notifications(self, received: list[ReceivedNotification]) -> None:
+    def process_notifications(self, received: list[ReceivedNotification], num_bad: int) -> None:
+        self.num_bad_notifications += num_bad
         for r in received:
             if not self.leases.notify(r.producer_rank, r.notification):
                 logger.info("ignored notification %s from consumer rank %d",
@@ -106,7 +108,9 @@ class ProducerSide:
     def counters(self) -> dict:
         return {"kv_leases_expired": self.leases.num_expired,
                 "kv_leases_released": self.leases.num_released,
-                "kv_notifications_ignored": self.leases.num_ignored}
+                "kv_notifications_ignored": self.leases.num_ignored,
+                "nixl_num_failed_notifications": self.num_bad_notifications,
+                "kv_heartbeats_acked": self.leases.num_heartbeats}
 
     def close(self) -> None:
         self.server.close()
@@ -119,7 +123,8 @@ class ProducerSide:
         if isinstance(msg, Heartbeat):
             alive = self.leases.heartbeat(msg.consumer_engine_id, msg.consumer_tp_size,
                                           msg.request_ids, time.monotonic())
-            return HeartbeatAck(alive=alive, lease_s=self.config.lease_s)
+            return HeartbeatAck(alive=alive, lease_s=self.config.lease_s,
+                                quarantine_s=self.quarantine_s)
         if isinstance(msg, Release):
             n = self.leases.release(msg.consumer_engine_id, msg.request_ids)
             logger.info("consumer %s released %d request(s): %s", msg.consumer_engine_id, n, msg.reason)

@@ -52,7 +52,14 @@ class SchedulerConnector:
         return self.consumer.abort(request)
 
     def request_finished(self, request: Request) -> bool:
+        """True when the producer keeps the blocks for a remote reader."""
+        if self.wants_remote_kv(request):
+            self.consumer.request_finished(request)
         return self.producer.request_finished(request)
+
+    @property
+    def num_loading(self) -> int:
+        return len(self.consumer.loads)
 
     def take_transfer_params(self, request: Request) -> dict | None:
         return self.producer.take_params(request)
@@ -76,7 +83,8 @@ class SchedulerConnector:
 
     def process_reports(self, reports: list[ConnectorReport | None]) -> None:
         reports = [r or ConnectorReport() for r in reports]
-        self.producer.process_notifications([n for r in reports for n in r.notifications])
+        self.producer.process_notifications([n for r in reports for n in r.notifications],
+                                            sum(r.num_bad_notifications for r in reports))
         self.consumer.process(reports)
 
     def needs_step(self) -> bool:
@@ -96,7 +104,7 @@ class SchedulerConnector:
     def stats(self, drain: bool) -> dict:
         c = self.consumer
         out = {"leases_active": len(self.producer.leases),
-               "counters": {**c.counters, **self.producer.counters()},
+               "counters": {**c.counter_values(), **self.producer.counters()},
                "transfers": list(c.transfers), "handshake_latencies": list(c.handshake_latencies),
                "num_handshakes_served": self.producer.num_handshakes_served,
                "side_channel_port": self.producer.server.port,

@@ -68,6 +68,7 @@ class WorkerConnector:
         self._report = ConnectorReport()
         # NIXL-thread state
         self._peers: dict[str, tuple[int, dict[int, tuple[str, RegionTable]]]] = {}
+        self._evicting: set[str] = set()  # dropped by the engine; agents go once their READs end
         self._inflight: list[_InFlight] = []
         self._polling = False
         self._consumer_engine_id = engine_id
@@ -86,7 +87,6 @@ class WorkerConnector:
     def report(self) -> ConnectorReport:
         with self._lock:
             report, self._report = self._report, ConnectorReport()
-        report.loaded_peers = self.loaded_peers()
         return report
 
     def loaded_peers(self) -> list[str]:
@@ -129,16 +129,24 @@ class WorkerConnector:
     def _apply(self, meta: ConnectorMetadata) -> None:
         self._consumer_engine_id = meta.consumer_engine_id
         self._polling = meta.poll_notifications
-        for engine_id in meta.evict_peers:
-            entry = self._peers.pop(engine_id, None)
-            for name, _ in (entry[1].values() if entry else ()):
-                self.agent.remove_peer(name)
+        self._evicting.update(e for e in meta.evict_peers if e in self._peers)
         for peer in meta.load_peers:
-            self._load_peer(peer)
+            try:
+                self._load_peer(peer)
+            except Exception as e:  # noqa: BLE001 - the reads that need it fail below, clearly
+                logger.warning("rank %d: cannot load producer %s: %s", self.rank, peer.engine_id, e)
         for spec in meta.reads:
-            self._post(spec)
+            try:
+                self._post(spec)
+            except Exception as e:  # noqa: BLE001 - one bad read never loses the others
+                logger.exception("rank %d: READ for %s failed to start", self.rank, spec.request_id)
+                self._fail(spec, f"the READ could not be posted: {e}")
+        self._drop_evicted()
 
     def _load_peer(self, peer: PeerAgents) -> None:
+        if peer.engine_id in self._peers:  # handshaken again before its eviction completed
+            self._evicting.discard(peer.engine_id)
+            return
         needed = {s.producer_rank for s in read_plan(peer.tp_size, self.tp_size, self.num_kv_heads)[self.rank]}
         ranks = {}
         for ra in peer.ranks:
@@ -149,17 +157,29 @@ class WorkerConnector:
                                                 ra.head_bytes, ra.num_kv_heads, ra.num_blocks))
         self._peers[peer.engine_id] = (peer.tp_size, ranks)
 
+    def _drop_evicted(self) -> None:
+        """Remove the agents of evicted producers that no in-flight READ still uses."""
+        busy = {r.spec.engine_id for r in self._inflight}
+        for engine_id in [e for e in self._evicting if e not in busy]:
+            self._evicting.discard(engine_id)
+            _, ranks = self._peers.pop(engine_id, (0, {}))
+            for name, _ in ranks.values():
+                self.agent.remove_peer(name)
+
     def _post(self, spec: ReadSpec) -> None:
         now = time.monotonic()
         if now > spec.deadline:
             return self._fail(spec, "the producer's lease would end before the READ (deadline passed)")
         entry = self._peers.get(spec.engine_id)
-        if entry is None:
+        if entry is None or spec.engine_id in self._evicting:
             return self._fail(spec, f"producer {spec.engine_id} is not loaded on rank {self.rank}",
                               peer_gone=True)
-        tp_size, ranks = entry
+        _, ranks = entry
         by_rank: dict[int, list] = {}
         for s in read_plan(spec.remote_tp_size, self.tp_size, self.num_kv_heads)[self.rank]:
+            if s.producer_rank not in ranks:
+                return self._fail(spec, f"producer rank {s.producer_rank} of {spec.engine_id} is "
+                                        f"not loaded on rank {self.rank}", peer_gone=True)
             name, remote = ranks[s.producer_rank]
             by_rank.setdefault(s.producer_rank, []).append(build_descriptors(
                 self.local, remote, s, spec.local_block_ids, spec.remote_block_ids))
@@ -188,14 +208,14 @@ class WorkerConnector:
             states = [self.agent.state(h) for h in read.handles]
             if "ERR" in states and read.failed is None:
                 read.failed, read.peer_gone = "the producer went away or the READ failed", True
-            timed_out = now - read.started > self.config.transfer_timeout_s
+            timed_out = now - read.started > read.spec.timeout_s
             if "PROC" in states and not timed_out:
                 still.append(read)
                 continue
             for h in read.handles:
                 self.agent.release(h)
             if timed_out and "PROC" in states:
-                self._fail(read.spec, f"READ timed out after {self.config.transfer_timeout_s:g} s",
+                self._fail(read.spec, f"READ timed out after {read.spec.timeout_s:g} s",
                            peer_gone=True, in_doubt=True)
             elif read.failed:
                 self._fail(read.spec, read.failed, peer_gone=read.peer_gone)
@@ -204,6 +224,8 @@ class WorkerConnector:
                     self._report.done.append(ReadDone(read.spec.request_id, read.num_bytes,
                                                       read.num_descriptors, now - read.started))
         self._inflight = still
+        if self._evicting:
+            self._drop_evicted()
 
     def _fail(self, spec: ReadSpec, reason: str, peer_gone: bool = False, in_doubt: bool = False) -> None:
         with self._lock:
@@ -216,13 +238,15 @@ class WorkerConnector:
         except Exception as e:  # noqa: BLE001
             logger.warning("rank %d: reading notifications failed: %s", self.rank, e)
             return
-        received = []
+        received, bad = [], 0
         for sender, messages in notes.items():
             for raw in messages:
                 try:
                     received.append(ReceivedNotification(self.rank, _notification_decoder.decode(raw)))
                 except msgspec.DecodeError:
+                    bad += 1
                     logger.warning("rank %d: undecodable notification from %s", self.rank, sender)
-        if received:
+        if received or bad:
             with self._lock:
                 self._report.notifications.extend(received)
+                self._report.num_bad_notifications += bad

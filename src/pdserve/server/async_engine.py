@@ -52,7 +52,9 @@ class AsyncEngine:
         self.config = config
         self.engine: Engine | None = None
         self.error: str | None = None
-        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        # (fn(engine), future or None); None stops the loop
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._exited = threading.Event()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
@@ -71,87 +73,103 @@ class AsyncEngine:
 
     @property
     def is_ready(self) -> bool:
-        return self._ready.is_set() and self.error is None and self._thread.is_alive()
+        return self._ready.is_set() and self.error is None and not self._exited.is_set()
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         self._commands.put(None)
-        await asyncio.to_thread(self._thread.join, timeout_s)
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join, timeout_s)
 
     # --- requests -------------------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params,
                           kv_transfer=None) -> RequestStream:
         """Validated by the engine before this returns (InvalidRequestError propagates)."""
-        if not self.is_ready:
-            raise EngineDeadError(self.error or "engine is not running")
         stream = RequestStream(request_id)
-        done: concurrent.futures.Future = concurrent.futures.Future()
 
-        def add():
-            try:
-                self.engine.add_request(request_id, prompt_token_ids, params, kv_transfer)
-                self._streams[request_id] = stream
-                done.set_result(None)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                done.set_exception(e)
-        self._commands.put(add)
-        await asyncio.wrap_future(done)
+        def add(engine: Engine):
+            engine.add_request(request_id, prompt_token_ids, params, kv_transfer)
+            self._streams[request_id] = stream
+        await self.call(add)
         return stream
 
     def abort(self, request_id: str) -> None:
         """Fire and forget; the engine frees the request's blocks on its next turn."""
-        self._commands.put(lambda: self.engine.abort(request_id))
+        self._commands.put((lambda engine: engine.abort(request_id), None))
 
     async def call(self, fn: Callable[[Engine], object]):
-        """Run `fn(engine)` on the engine thread (stats, debug hooks) and return its result."""
+        """Run `fn(engine)` on the engine thread and return its result (or raise its exception).
+        If the loop is gone, or goes away before running it, this raises EngineDeadError."""
+        if not self.is_ready:
+            raise EngineDeadError(self.error or "engine is not running")
         done: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run():
-            try:
-                done.set_result(fn(self.engine))
-            except BaseException as e:  # noqa: BLE001
-                done.set_exception(e)
-        self._commands.put(run)
+        self._commands.put((fn, done))
+        if self._exited.is_set():  # the loop ended between the check and the put
+            self._fail_commands()
         return await asyncio.wrap_future(done)
 
     # --- the engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
-            self.engine = Engine(self.config)
-        except BaseException as e:  # noqa: BLE001
-            logger.exception("engine failed to start")
-            self.error = f"engine failed to start: {e}"
+            try:
+                self.engine = Engine(self.config)
+            except BaseException as e:  # noqa: BLE001
+                logger.exception("engine failed to start")
+                self.error = f"engine failed to start: {e}"
+                return
+            self.engine.wake = lambda: self._commands.put((_noop, None))
             self._ready.set()
-            return
-        self.engine.wake = lambda: self._commands.put(_noop)
-        self._ready.set()
-        try:
-            self._loop_forever()
-        except BaseException as e:  # noqa: BLE001
-            logger.exception("engine loop died")
-            self.error = f"engine loop died: {e}"
-            self._fail_all(EngineDeadError(self.error))
+            try:
+                self._loop_forever()
+            except BaseException as e:  # noqa: BLE001
+                logger.exception("engine loop died")
+                self.error = f"engine loop died: {e}"
+                self._fail_all(EngineDeadError(self.error))
+            finally:
+                self.engine.shutdown()
         finally:
-            self.engine.shutdown()
+            self._exited.set()
+            self._ready.set()
+            self._fail_commands()
+
+    def _fail_commands(self) -> None:
+        """Commands queued for a loop that will never run them fail instead of waiting forever."""
+        error = EngineDeadError(self.error or "engine stopped")
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[1] is not None and not item[1].done():
+                item[1].set_exception(error)
 
     def _loop_forever(self) -> None:
         engine = self.engine
         while True:
             timeout = 0.0 if engine.needs_step() else self._idle_wait()
             try:
-                cmd = self._commands.get(timeout=timeout) if timeout > 0 else self._commands.get_nowait()
+                item = self._commands.get(timeout=timeout) if timeout > 0 else self._commands.get_nowait()
             except queue.Empty:
-                cmd = ...
-            while cmd is not ...:
-                if cmd is None:
+                item = ...
+            while item is not ...:
+                if item is None:
                     self._shutdown_requests()
                     return
-                cmd()
+                fn, done = item
                 try:
-                    cmd = self._commands.get_nowait()
+                    result = fn(engine)
+                    if done is not None:
+                        done.set_result(result)
+                except Exception as e:  # noqa: BLE001 - handed to the caller, or logged
+                    if done is None:
+                        logger.exception("engine command failed")
+                    else:
+                        done.set_exception(e)
+                try:
+                    item = self._commands.get_nowait()
                 except queue.Empty:
-                    cmd = ...
+                    item = ...
             outputs = engine.step()
             if outputs:
                 self._dispatch(outputs)
@@ -187,7 +205,7 @@ class AsyncEngine:
         self._fail_all(EngineDeadError("server is shutting down"))
 
 
-def _noop() -> None:
+def _noop(engine) -> None:
     pass
 
 

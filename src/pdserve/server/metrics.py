@@ -67,11 +67,12 @@ class ServerMetrics:
             ("nixl_handshake_round_trips", "Side-channel round trips made for handshakes."),
             ("nixl_handshake_failures", "Failed handshakes."),
             ("nixl_num_failed_transfers", "Failed KV transfers."),
-            ("nixl_num_failed_notifications", "Notifications that could not be sent."),
+            ("nixl_num_failed_notifications", "Notifications received that could not be decoded."),
             ("kv_transfers", "Completed KV transfers (consumer side)."),
             ("kv_leases_expired", "Producer leases that expired before every read was notified."),
             ("kv_leases_released", "Producer leases released by the consumer (abort or failure)."),
-            ("kv_heartbeats", "Heartbeats sent (consumer) or acknowledged (producer)."),
+            ("kv_heartbeats", "Heartbeats sent (consumer)."),
+            ("kv_heartbeats_acked", "Heartbeats answered (producer)."),
             ("kv_notifications_ignored", "Unknown, late or duplicate notifications."),
         ]:
             c[name] = Gauge(f"pdserve:{name}_total", doc, labels, registry=r)

@@ -16,7 +16,7 @@ from pdserve.server.serving import SSE_DONE, BaseServing, Choice, sse
 class CompletionServing(BaseServing):
     def prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
-        if not p or (isinstance(p, list) and any(not x for x in p)):
+        if not p or (isinstance(p, list) and any(isinstance(x, (str, list)) and not x for x in p)):
             raise InvalidRequestError("prompt", "must not be empty")
         if isinstance(p, str):
             return [self.tokenizer.encode(p)]
