@@ -1,0 +1,104 @@
+"""The proxy: xPyD round-robin, the first-token rules (DESIGN §2), chat and streaming, its own
+endpoints. A 2 prefill + 1 decode deployment (TP 1 each)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import openai
+import pytest
+
+from helpers import assert_greedy_match, hf_reference
+from pdserve.launcher import Deployment
+from servers import INSTANCE_ARGS, metric, post_json, stats, wait_idle
+
+
+@pytest.fixture(scope="module")
+def xpyd(tiny_model, tmp_path_factory):
+    dep = Deployment(tiny_model, [1, 1], [1], instance_args=INSTANCE_ARGS,
+                     log_dir=str(tmp_path_factory.mktemp("xpyd")))
+    dep.start(timeout_s=120)
+    dep.model = tiny_model
+    yield dep
+    dep.stop()
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(7, 1000) for _ in range(n - 1)]
+
+
+def test_round_robin_over_prefill_instances(xpyd):
+    for i in range(4):
+        p = ids(20, seed=i)
+        code, body = post_json(xpyd.proxy.url + "/v1/completions",
+                               {"prompt": p, "max_tokens": 8, "temperature": 0, "return_token_ids": True})
+        assert code == 200
+        assert_greedy_match(body["choices"][0]["token_ids"], hf_reference(xpyd.model, p, 8), "xpyd")
+    for prefill in xpyd.prefill:  # each producer served two prompts and handed both to decode
+        assert stats(prefill)["num_prompt_tokens"] >= 2 * 20
+    assert metric(xpyd.decode[0], "pdserve:nixl_handshakes_total") == 2  # one per producer
+
+
+def test_max_tokens_one_is_answered_by_the_producer(xpyd):
+    p = ids(25, seed=10)
+    before = metric(xpyd.decode[0], "pdserve:kv_transfers_total")
+    code, body = post_json(xpyd.proxy.url + "/v1/completions",
+                           {"prompt": p, "max_tokens": 1, "temperature": 0, "return_token_ids": True})
+    assert code == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["token_ids"] == hf_reference(xpyd.model, p, 1).tokens
+    assert body.get("kv_transfer_params") is None
+    assert metric(xpyd.decode[0], "pdserve:kv_transfers_total") == before  # no transfer
+    for inst in xpyd.instances:  # the producer freed its blocks at once
+        s = wait_idle(inst)
+        assert s["num_free_blocks"] == s["num_blocks"]
+
+
+def test_stop_on_the_first_token_is_answered_by_the_producer_streaming(xpyd):
+    p = ids(30, seed=11)
+    code, full = post_json(xpyd.proxy.url + "/v1/completions",
+                           {"prompt": p, "max_tokens": 6, "temperature": 0})
+    first_text = full["choices"][0]["text"][:1] or None
+    if not first_text:
+        pytest.skip("the first token decodes to no text")
+    events = []
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", xpyd.proxy.url + "/v1/completions",
+                      json={"prompt": p, "max_tokens": 6, "temperature": 0, "stop": [first_text],
+                            "stream": True, "stream_options": {"include_usage": True}}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(e[6:]) for e in events if e != "data: [DONE]"]
+    assert events[-1] == "data: [DONE]"
+    assert chunks[0]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["usage"]["completion_tokens"] == 1
+    for inst in xpyd.instances:
+        assert wait_idle(inst)["num_free_blocks"] == stats(inst)["num_blocks"]
+
+
+def test_chat_and_models_through_the_proxy(xpyd):
+    client = openai.OpenAI(base_url=xpyd.proxy.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    messages = [{"role": "user", "content": "tell me about the cache"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    direct = openai.OpenAI(base_url=xpyd.decode[0].url + "/v1", api_key="x", max_retries=0)
+    colocated = direct.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
+                                               temperature=0)
+    assert full.choices[0].message.content == colocated.choices[0].message.content
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
+                                                 temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        full.choices[0].message.content
+
+
+def test_proxy_errors_and_metrics(xpyd):
+    code, body = post_json(xpyd.proxy.url + "/v1/completions", {"prompt": "x", "max_tokens": -3})
+    assert code == 400 and body["error"]["param"] == "max_tokens"  # the producer's answer, passed on
+    with httpx.Client() as h:
+        r = h.post(xpyd.proxy.url + "/v1/completions", content=b"{oops")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+        assert h.get(xpyd.proxy.url + "/health").json()["decode"]
+        text = h.get(xpyd.proxy.url + "/metrics").text
+    for name in ("pdserve_proxy:time_to_first_token_seconds", "pdserve_proxy:inter_token_latency_seconds",
+                 "pdserve_proxy:time_per_output_token_seconds", "pdserve_proxy:e2e_request_latency_seconds"):
+        assert f"{name}_count" in text
