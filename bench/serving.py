@@ -3,10 +3,10 @@
     .venv/bin/python bench/serving.py [--model DIR] [--repeats 5] [--max-tokens 32]
 
 Streaming completions, one at a time, prompt lengths 128 to 2,048 tokens (distinct random prompts,
-so the prefix cache never helps). The colocated instance gets the same cores and threads as the
-prefill instance (core 0, one thread); the decode instance gets core 1. Also: the first request to a
-fresh pair (handshake and NIXL wire-up included; each instance warmed by one plain request first)
-beside a warm request of the same length.
+so the prefix cache never helps), colocated and P/D requests interleaved. The colocated instance gets
+the same cores and threads as the prefill instance (core 0, one thread); the decode instance gets
+core 1. Also: the first request to a fresh pair (handshake and NIXL wire-up included; each instance
+warmed by one plain request first) beside a warm request of the same length.
 """
 
 from __future__ import annotations
@@ -60,22 +60,29 @@ class Prompts:
         return [1] + [self.rng.randrange(7, self.vocab) for _ in range(n - 1)]
 
 
-def measure(url: str, prompts: Prompts, repeats: int, max_tokens: int) -> dict:
-    out = {}
+def measure(targets: dict[str, str], prompts: Prompts, repeats: int, max_tokens: int) -> dict:
+    """Interleaved: each repetition sends the same-length prompt to every target in turn, so a slow
+    moment of this noisy machine hits both sides alike."""
+    runs = {name: {n: [] for n in LENGTHS} for name in targets}
     with httpx.Client(timeout=600) as client:
-        stream_once(client, url, prompts.make(64), 4)  # warm-up
         for n in LENGTHS:
-            runs = [stream_once(client, url, prompts.make(n), max_tokens) for _ in range(repeats)]
-            out[n] = {"ttft_ms": round(statistics.median(r[0] for r in runs) * 1e3, 1),
-                      "e2e_ms": round(statistics.median(r[1] for r in runs) * 1e3, 1)}
-            print(f"  {n:5} tokens: TTFT {out[n]['ttft_ms']:8} ms  e2e {out[n]['e2e_ms']:8} ms", flush=True)
-    return out
+            for _ in range(repeats):
+                for name, url in targets.items():
+                    runs[name][n].append(stream_once(client, url, prompts.make(n), max_tokens))
+            for name in targets:
+                r = runs[name][n]
+                runs[name][n] = {"ttft_ms": round(statistics.median(x[0] for x in r) * 1e3, 1),
+                                 "e2e_ms": round(statistics.median(x[1] for x in r) * 1e3, 1)}
+            print(f"  {n:5} tokens: " + "  ".join(
+                f"{name} TTFT {runs[name][n]['ttft_ms']} ms e2e {runs[name][n]['e2e_ms']} ms"
+                for name in targets), flush=True)
+    return runs
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "serving.json"))
     args = ap.parse_args()
@@ -84,21 +91,17 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-"))
     results = {"max_tokens": args.max_tokens, "repeats": args.repeats}
 
-    print("colocated (core 0, 1 thread):")
     colo = Instance("colocated", ["serve", model, "--port", "0", "--num-threads", "1", "--cpus", "0",
-                                  *ARGS], cpus=(0,)).spawn(logs).wait_healthy()
-    try:
-        results["colocated"] = measure(colo.url, Prompts(vocab, 1), args.repeats, args.max_tokens)
-    finally:
-        colo.stop()
-
+                                  *ARGS], cpus=(0,))
     dep = Deployment(model, [1], [1], instance_args=ARGS, prefill_cpus=[(0,)], decode_cpus=[(1,)],
                      log_dir=str(logs))
-    with dep:
+    try:
+        colo.spawn(logs).wait_healthy()
+        dep.start()
         prompts = Prompts(vocab, 2)
         with httpx.Client(timeout=600) as client:
-            for inst in dep.instances:  # warm each instance's model, without pairing them
-                stream_once(client, inst.url, prompts.make(64), 4)
+            for url in (colo.url, *[i.url for i in dep.instances]):  # warm every model, unpaired
+                stream_once(client, url, prompts.make(64), 4)
             first = stream_once(client, dep.proxy.url, prompts.make(512), args.max_tokens)
             warm = [stream_once(client, dep.proxy.url, prompts.make(512), args.max_tokens)
                     for _ in range(args.repeats)]
@@ -111,8 +114,13 @@ def main() -> int:
         print(f"first request to a fresh pair (512 tokens): e2e {f['first_e2e_ms']} ms vs warm "
               f"{f['warm_e2e_ms']} ms = {f['e2e_ratio']}x (target <= 1.5x); TTFT "
               f"{f['first_ttft_ms']} vs {f['warm_ttft_ms']} ms")
-        print("1P1D through the proxy (P core 0, D core 1, 1 thread each):")
-        results["pd"] = measure(dep.proxy.url, prompts, args.repeats, args.max_tokens)
+        print("colocated (core 0, 1 thread) and 1P1D through the proxy (P core 0, D core 1):")
+        runs = measure({"colocated": colo.url, "pd": dep.proxy.url}, prompts, args.repeats,
+                       args.max_tokens)
+        results.update(runs)
+    finally:
+        dep.stop()
+        colo.stop()
 
     print("prompt | TTFT colocated | TTFT P/D | ratio | e2e colocated | e2e P/D | ratio")
     for n in LENGTHS:
