@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/engine.py [--model DIR] [--threads N] [--out bench/results/engine.json]
 
-Decode: tokens/s at batch 1, 8 and 32 (128-token prompts, 64 new tokens, prefill excluded), best
-of three runs for each engine.
+Decode: tokens/s at batch 1, 8 and 32, prefill excluded, best of three runs for each engine, at a
+short context (128-token prompts, 64 new tokens) and a longer one (512-token prompts, 256 new).
 Prefill: tokens/s for one 2,048-token prompt. The bound is the bytes one decode step must read
 (every weight once, plus the batch's KV) over a memcpy bandwidth measured in this run.
 """
@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from pdserve import LLM, SamplingParams  # noqa: E402
 from pdserve.cli import ensure_model  # noqa: E402
 
-PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 128, 64, 2048
+PREFILL_LEN = 2048
+CONTEXTS = {"short": (128, 64), "long": (512, 256)}  # (prompt tokens, new tokens)
 
 
 def memcpy_gbps(size_bytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -46,10 +47,10 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[1] + [rng.randrange(7, vocab) for _ in range(length - 1)] for _ in range(batch)]
 
 
-def pdserve_decode(llm: LLM, batch: int, vocab: int) -> float:
+def pdserve_decode(llm: LLM, batch: int, vocab: int, prompt_len: int, new_tokens: int) -> float:
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for i, p in enumerate(prompts(batch, PROMPT_LEN, vocab, seed=batch)):
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts(batch, prompt_len, vocab, seed=batch)):
         engine.add_request(f"decode-{batch}-{i}", p, params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
         engine.step()  # prefill (and the first token) is not decode
@@ -66,8 +67,8 @@ def pdserve_prefill(llm: LLM, vocab: int) -> float:
     return PREFILL_LEN / _timed(lambda: llm.generate(p, params))
 
 
-def hf_decode(model, batch: int, vocab: int) -> float:
-    ids = torch.tensor(prompts(batch, PROMPT_LEN, vocab, seed=batch))
+def hf_decode(model, batch: int, vocab: int, prompt_len: int, new_tokens: int) -> float:
+    ids = torch.tensor(prompts(batch, prompt_len, vocab, seed=batch))
     mask = torch.ones_like(ids)
 
     def gen(n: int):
@@ -76,8 +77,8 @@ def hf_decode(model, batch: int, vocab: int) -> float:
                            do_sample=False, pad_token_id=0)
     gen(2)
     t_first = min(_timed(lambda: gen(1)) for _ in range(2))
-    t_all = _timed(lambda: gen(NEW_TOKENS))
-    return batch * (NEW_TOKENS - 1) / (t_all - t_first)
+    t_all = _timed(lambda: gen(new_tokens))
+    return batch * (new_tokens - 1) / (t_all - t_first)
 
 
 def hf_prefill(model, vocab: int) -> float:
@@ -87,7 +88,7 @@ def hf_prefill(model, vocab: int) -> float:
         return PREFILL_LEN / _timed(lambda: model(ids))
 
 
-def step_bytes(llm: LLM, batch: int) -> int:
+def step_bytes(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> int:
     """Bytes a decode step must read: every weight but the embedding table once, plus the KV of
     the batch at the average context of the decode phase."""
     spec, elem = llm.engine.spec, torch.empty(0, dtype=llm.engine.dtype).element_size()
@@ -96,7 +97,7 @@ def step_bytes(llm: LLM, batch: int) -> int:
         + 3 * h * spec.intermediate_size + 2 * h
     weights = spec.num_layers * per_layer + spec.vocab_size * h + h
     kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * d
-    avg_context = PROMPT_LEN + NEW_TOKENS / 2
+    avg_context = prompt_len + new_tokens / 2
     return (weights + batch * avg_context * kv_per_token) * elem
 
 
@@ -112,28 +113,33 @@ def main() -> int:
     llm = LLM(model_dir, num_threads=args.threads, num_blocks=4096, max_num_seqs=64,
               max_num_batched_tokens=2048, dtype="float32")
     vocab = llm.engine.spec.vocab_size
-    pdserve_decode(llm, 1, vocab)  # warm-up
+    pdserve_decode(llm, 1, vocab, 16, 4)  # warm-up
     results = {"memcpy_gbps": round(bw, 2), "threads": args.threads, "decode": {}}
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    for batch in (1, 8, 32):  # best of three runs each: the machine is noisy
-        ours = max(pdserve_decode(llm, batch, vocab) for _ in range(3))
-        theirs = max(hf_decode(hf, batch, vocab) for _ in range(3))
-        bound = batch / (step_bytes(llm, batch) / (bw * 1e9))
-        results["decode"][batch] = {
-            "pdserve_tok_s": round(ours, 1), "transformers_tok_s": round(theirs, 1),
-            "bound_tok_s": round(bound, 1), "vs_transformers": round(ours / theirs, 2),
-            "fraction_of_bound": round(ours / bound, 3)}
+    for context, (prompt_len, new_tokens) in CONTEXTS.items():
+        table = results["decode"][context] = {"prompt_tokens": prompt_len, "new_tokens": new_tokens}
+        for batch in (1, 8, 32):  # best of three runs each: the machine is noisy
+            ours = max(pdserve_decode(llm, batch, vocab, prompt_len, new_tokens) for _ in range(3))
+            theirs = max(hf_decode(hf, batch, vocab, prompt_len, new_tokens) for _ in range(3))
+            bound = batch / (step_bytes(llm, batch, prompt_len, new_tokens) / (bw * 1e9))
+            table[batch] = {
+                "pdserve_tok_s": round(ours, 1), "transformers_tok_s": round(theirs, 1),
+                "bound_tok_s": round(bound, 1), "vs_transformers": round(ours / theirs, 2),
+                "fraction_of_bound": round(ours / bound, 3)}
     results["prefill_2048"] = {
         "pdserve_tok_s": round(max(pdserve_prefill(llm, vocab) for _ in range(3)), 1),
         "transformers_tok_s": round(max(hf_prefill(hf, vocab) for _ in range(3)), 1)}
     llm.shutdown()
 
     print(f"memcpy {bw:.1f} GB/s, {args.threads} threads, model {model_dir}")
-    print("batch | pdserve tok/s | transformers tok/s | ratio | bound tok/s | of bound")
-    for batch, r in results["decode"].items():
-        print(f"{batch:5} | {r['pdserve_tok_s']:13} | {r['transformers_tok_s']:18} | "
-              f"{r['vs_transformers']:5} | {r['bound_tok_s']:11} | {r['fraction_of_bound']:.0%}")
+    for context, table in results["decode"].items():
+        print(f"{context} context ({table['prompt_tokens']} + {table['new_tokens']} tokens)")
+        print("batch | pdserve tok/s | transformers tok/s | ratio | bound tok/s | of bound")
+        for batch in (1, 8, 32):
+            r = table[batch]
+            print(f"{batch:5} | {r['pdserve_tok_s']:13} | {r['transformers_tok_s']:18} | "
+                  f"{r['vs_transformers']:5} | {r['bound_tok_s']:11} | {r['fraction_of_bound']:.0%}")
     p = results["prefill_2048"]
     print(f"prefill 2048 tokens: pdserve {p['pdserve_tok_s']} tok/s, "
           f"transformers {p['transformers_tok_s']} tok/s")

@@ -7,10 +7,14 @@ layers; this module only does the math.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.model import kernels
 
 
 @dataclasses.dataclass
@@ -32,6 +36,8 @@ class AttentionMetadata:
     decode_start: int  # rows [decode_start, tokens) are single-token decodes
     decode_block_tables: torch.Tensor | None  # [decodes, max_blocks], padded with block 0
     decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] bool (True = attend)
+    decode_context_lens: torch.Tensor | None = None  # [decodes] int32
+    sliding_window: int | None = None
 
 
 def build_mask(positions: torch.Tensor, context_len: int, sliding_window: int | None) -> torch.Tensor:
@@ -69,9 +75,42 @@ def paged_attention(
         out[rows] = o[0].transpose(0, 1)
     if meta.decode_block_tables is not None:
         rows = slice(meta.decode_start, q.shape[0])
-        out[rows] = _decode_attention(q[rows], k_cache, v_cache, meta.decode_block_tables,
-                                      meta.decode_mask)
+        native = native_decode() if q.dtype == torch.float32 and q.device.type == "cpu" else None
+        if native is not None:
+            out[rows] = native(q[rows], k_cache, v_cache, meta.decode_block_tables,
+                               meta.decode_context_lens, meta.sliding_window)
+        else:
+            out[rows] = _decode_attention(q[rows], k_cache, v_cache, meta.decode_block_tables,
+                                          meta.decode_mask)
     return out
+
+
+class NativeDecode:
+    """The C kernel (kernels/paged_attention.c): reads K and V in place, one (sequence, KV head)
+    per work item, on this rank's torch threads."""
+
+    def __init__(self, lib):
+        fn = lib.paged_decode_attention
+        p, i = ctypes.c_void_p, ctypes.c_int
+        fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i]
+        fn.restype = None
+        self.fn = fn
+
+    def __call__(self, q, k_cache, v_cache, tables, context_lens, window) -> torch.Tensor:
+        q = q.contiguous()
+        seqs, num_heads, head_dim = q.shape
+        _, kv_heads, block_size, _ = k_cache.shape
+        out = torch.empty_like(q)
+        self.fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                context_lens.data_ptr(), out.data_ptr(), seqs, num_heads, kv_heads, head_dim,
+                block_size, tables.shape[1], window or 0, head_dim ** -0.5, torch.get_num_threads())
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def native_decode() -> NativeDecode | None:
+    lib = kernels.load("paged_attention")
+    return NativeDecode(lib) if lib is not None else None
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

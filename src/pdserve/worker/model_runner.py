@@ -60,7 +60,7 @@ class ModelRunner:
             blocks = torch.tensor(c.block_ids[: -(-context_len // bs)], dtype=torch.long)
             seqs.append(PrefillSeq(row, n, context_len, blocks, mask))
             row += n
-        tables = mask = None
+        tables = mask = lens = None
         if decodes:
             max_blocks = max(-(-(c.start_pos + 1) // bs) for c in decodes)
             tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
@@ -69,6 +69,7 @@ class ModelRunner:
                 tables[i, :n] = torch.tensor(c.block_ids[:n])
             positions = pos[row:]
             mask = build_mask(positions, max_blocks * bs, self.sliding_window)[:, None, None, :]
+            lens = (positions + 1).to(torch.int32)
         return AttentionMetadata(
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long),
             slot_offsets=pos % bs,
@@ -76,4 +77,6 @@ class ModelRunner:
             decode_start=row,
             decode_block_tables=tables,
             decode_mask=mask,
+            decode_context_lens=lens,
+            sliding_window=self.sliding_window,
         )

@@ -1,0 +1,62 @@
+"""Native kernels, compiled on first use with the system C compiler and loaded with ctypes.
+
+Every TP rank. A kernel that cannot be built (no compiler, another platform) is reported once and
+the caller falls back to its PyTorch path: native code is an acceleration, never a requirement.
+Builds are cached per source, flags and CPU (they use -march=native).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+_CACHE = Path(os.path.expanduser("~")) / ".cache" / "pdserve" / "kernels"
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def _cpu_tag() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        flags = next((l for l in info.splitlines() if l.startswith("flags")), "")
+        model = next((l for l in info.splitlines() if l.startswith("model name")), "")
+    except OSError:
+        flags = model = ""
+    return f"{platform.machine()}|{model}|{flags}"
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled library for kernels/<name>.c, or None when it cannot be built here."""
+    if name in _loaded:
+        return _loaded[name]
+    lib = None
+    source = Path(__file__).with_name(f"{name}.c")
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    key = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS).encode() + _cpu_tag().encode())
+    target = _CACHE / f"{name}-{key.hexdigest()[:16]}.so"
+    try:
+        if not target.exists():
+            if compiler is None:
+                raise RuntimeError("no C compiler found")
+            _CACHE.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=_CACHE) as tmp:
+                out = Path(tmp) / target.name
+                subprocess.run([compiler, *_FLAGS, "-o", str(out), str(source), "-lm"], check=True,
+                               capture_output=True, timeout=120)
+                os.replace(out, target)  # atomic: concurrent ranks never load a partial file
+        lib = ctypes.CDLL(str(target))
+    except Exception as e:  # noqa: BLE001 - fall back to PyTorch
+        detail = getattr(e, "stderr", b"") or b""
+        logger.warning("native kernel %s unavailable (%s %s); using the PyTorch path", name, e,
+                       detail.decode(errors="replace")[:500])
+    _loaded[name] = lib
+    return lib
