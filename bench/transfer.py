@@ -173,7 +173,7 @@ def bench_pair(model, spec, p_tp, d_tp, repeats) -> list[dict]:
         for tokens, kind in [(t, "contiguous") for t in TOKENS] + [(4096, "fragmented")]:
             n = tokens // BLOCK
 
-            def blocks(i):  # i-th distinct range of n blocks (cold reads rotate through the pool)
+            def blocks(i, n=n, kind=kind):  # i-th range of n blocks (cold reads rotate through the pool)
                 start = (i * n) % (num_blocks - n + 1)
                 remote = list(range(start, start + n))
                 return (remote if kind == "contiguous" else remote[::-1]), remote

@@ -74,7 +74,7 @@ def test_descriptors_stay_inside_blocks_and_coalesce_when_whole(p_tp, d_tp, head
             remote = _table(p_tp, heads, base=1 << 30)
             l, r = build_descriptors(local, remote, s, local_blocks, remote_blocks)
             assert l[:, 1].sum() == r[:, 1].sum() == 4 * len(remote_blocks) * s.num_heads * 64
-            for descs, table, blocks in ((l, local, local_blocks), (r, remote, remote_blocks)):
+            for descs, table in ((l, local), (r, remote)):
                 for addr, length, _ in descs.tolist():
                     region = max(a for a in table.region_addresses if a <= addr)
                     assert addr + length <= region + table.num_blocks * table.block_bytes

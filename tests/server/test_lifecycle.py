@@ -11,7 +11,6 @@ import time
 import urllib.request
 
 import httpx
-import pytest
 
 from servers import post_json, start_server
 

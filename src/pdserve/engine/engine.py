@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 import uuid
 from typing import Callable
 

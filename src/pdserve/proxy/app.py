@@ -95,12 +95,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         p_body["stream"] = False
         p_body["kv_transfer_params"] = PREFILL_PARAMS
-        try:
-            p_resp = await prefill.post_json(path, p_body, headers)
-        except UpstreamError as e:
-            router.prefill.mark_down(prefill)
-            metrics.upstream_errors.labels("prefill").inc()
-            raise APIError(502, f"prefill instance unreachable: {e}") from None
+        p_resp = await post(router.prefill, prefill, "prefill", path, p_body, headers)
         metrics.prefill.observe(time.monotonic() - start)
         if p_resp.status_code != 200:
             metrics.requests.labels(f"prefill_{p_resp.status_code}").inc()
@@ -121,15 +116,18 @@ def create_app(config: ProxyConfig) -> FastAPI:
         if body.get("stream"):
             return StreamingResponse(relay(decode, path, d_body, headers, start),
                                      media_type="text/event-stream", headers=headers)
-        try:
-            d_resp = await decode.post_json(path, d_body, headers)
-        except UpstreamError as e:
-            router.decode.mark_down(decode)
-            metrics.upstream_errors.labels("decode").inc()
-            raise APIError(502, f"decode instance unreachable: {e}") from None
+        d_resp = await post(router.decode, decode, "decode", path, d_body, headers)
         metrics.e2e.observe(time.monotonic() - start)
         return Response(d_resp.content, status_code=d_resp.status_code,
                         media_type="application/json", headers=headers)
+
+    async def post(pool, upstream: Upstream, role: str, path: str, body: dict, headers: dict):
+        try:
+            return await upstream.post_json(path, body, headers)
+        except UpstreamError as e:
+            pool.mark_down(upstream)
+            metrics.upstream_errors.labels(role).inc()
+            raise APIError(502, f"{role} instance unreachable: {e}") from None
 
     async def relay(decode: Upstream, path: str, body: dict, headers: dict, start: float):
         """Stream the decode instance's SSE through, timing it as the client sees it."""

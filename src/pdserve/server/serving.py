@@ -188,6 +188,34 @@ class BaseServing:
             self.metrics.e2e.labels(m).observe(now - start)
             self.metrics.requests.labels(m, out.finish_reason or "unknown").inc()
 
+    async def collect(self, raw_request, choices: list[Choice], streams: list) -> None:
+        """Non-streaming: run every choice to its end (aborted if the client goes away); an engine
+        error in any of them is the response."""
+        watcher = asyncio.create_task(self.watch_disconnect(raw_request, choices))
+        try:
+            async for _ in self.merged(choices, streams):
+                pass
+        finally:
+            watcher.cancel()
+        error = next((c.error for c in choices if c.error), None)
+        if error:
+            raise APIError(500, error)
+
+    async def events(self, choices: list[Choice], streams: list, chunk, usage_chunk=None):
+        """Streaming: one SSE event per delta (`chunk(choice, out)`), an error event for a failed
+        choice, the usage event if asked, then [DONE]."""
+        try:
+            async for choice, out in self.merged(choices, streams):
+                if out.error:
+                    yield sse(APIError(500, out.error).body())
+                elif out.new_text or out.finished or out.new_token_ids:
+                    yield sse(chunk(choice, out))
+            if usage_chunk is not None:
+                yield sse(usage_chunk())
+        except APIError as e:
+            yield sse(e.body())
+        yield SSE_DONE
+
     async def watch_disconnect(self, raw_request, choices: list[Choice]) -> None:
         """Non-streaming requests: a client that goes away aborts its engine requests."""
         while not all(c.finished for c in choices):
@@ -207,9 +235,6 @@ class BaseServing:
                      total_tokens=prompt + completion,
                      prompt_tokens_details={"cached_tokens": cached} if cached else None)
 
-    @staticmethod
-    def first_error(choices: list[Choice]) -> str | None:
-        return next((c.error for c in choices if c.error), None)
 
 
 def sse(payload) -> str:

@@ -3,17 +3,14 @@ Server process, event loop."""
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.sampling_params import InvalidRequestError
-from pdserve.server.errors import APIError
 from pdserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                      ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
                                      ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob,
                                      DeltaMessage)
-from pdserve.server.serving import SSE_DONE, BaseServing, Choice, sse
+from pdserve.server.serving import BaseServing, Choice, sse
 from pdserve.text.tokenizer import ChatTemplateError
 
 
@@ -49,19 +46,9 @@ class ChatServing(BaseServing):
         choices, streams = await self.start(request_id, [prompt], params, kv)
         response_id = f"chatcmpl-{request_id}"
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self._stream(response_id, choices, streams, include_usage, req.n,
-                                                  req.return_token_ids),
+            return StreamingResponse(self._stream(req, response_id, choices, streams),
                                      media_type="text/event-stream")
-        watcher = asyncio.create_task(self.watch_disconnect(raw_request, choices))
-        try:
-            async for _ in self.merged(choices, streams):
-                pass
-        finally:
-            watcher.cancel()
-        error = self.first_error(choices)
-        if error:
-            raise APIError(500, error)
+        await self.collect(raw_request, choices, streams)
         body = ChatCompletionResponse(
             id=response_id, model=self.model_name,
             choices=[ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
@@ -73,35 +60,27 @@ class ChatServing(BaseServing):
             kv_transfer_params=choices[0].kv_transfer_params if len(choices) == 1 else None)
         return JSONResponse(body.model_dump())
 
-    async def _stream(self, response_id: str, choices: list[Choice], streams, include_usage: bool,
-                      n: int, token_ids: bool):
-        def chunk(index: int, delta: DeltaMessage, **kw) -> str:
-            return sse(ChatCompletionChunk(id=response_id, model=self.model_name,
-                                           choices=[ChatStreamChoice(index=index, delta=delta, **kw)]))
-        try:
-            for c in choices:
-                yield chunk(c.index, DeltaMessage(role="assistant", content=""))
-            async for choice, out in self.merged(choices, streams):
-                if out.error:
-                    yield sse(APIError(500, out.error).body())
-                    continue
-                if not out.new_text and not out.finished and not out.new_token_ids:
-                    continue
-                logprobs = self._logprobs(out.new_logprobs) if out.new_logprobs is not None else None
-                text = ChatCompletionChunk(
-                    id=response_id, model=self.model_name,
-                    choices=[ChatStreamChoice(index=choice.index, delta=DeltaMessage(content=out.new_text),
-                                              logprobs=logprobs, finish_reason=out.finish_reason,
-                                              stop_reason=out.stop_reason,
-                                              token_ids=out.new_token_ids if token_ids else None)],
-                    kv_transfer_params=out.kv_transfer_params)
-                yield sse(text)
-            if include_usage:
-                yield sse(ChatCompletionChunk(id=response_id, model=self.model_name, choices=[],
-                                              usage=self.usage(choices, 1, n)))
-        except APIError as e:
-            yield sse(e.body())
-        yield SSE_DONE
+    async def _stream(self, req: ChatCompletionRequest, response_id: str, choices: list[Choice],
+                      streams):
+        def chunk(choice: Choice, out) -> ChatCompletionChunk:
+            logprobs = self._logprobs(out.new_logprobs) if out.new_logprobs is not None else None
+            return ChatCompletionChunk(
+                id=response_id, model=self.model_name,
+                choices=[ChatStreamChoice(index=choice.index, delta=DeltaMessage(content=out.new_text),
+                                          logprobs=logprobs, finish_reason=out.finish_reason,
+                                          stop_reason=out.stop_reason,
+                                          token_ids=out.new_token_ids if req.return_token_ids else None)],
+                kv_transfer_params=out.kv_transfer_params)
+
+        def usage() -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=response_id, model=self.model_name, choices=[],
+                                       usage=self.usage(choices, 1, req.n))
+        for c in choices:  # the role comes first, as OpenAI streams it
+            yield sse(ChatCompletionChunk(id=response_id, model=self.model_name, choices=[
+                ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        async for event in self.events(choices, streams, chunk, usage if include_usage else None):
+            yield event
 
     def _logprobs(self, entries) -> ChatLogprobs:
         tok = self.tokenizer

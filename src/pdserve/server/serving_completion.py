@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.sampling_params import InvalidRequestError
-from pdserve.server.errors import APIError
 from pdserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                      CompletionResponse)
-from pdserve.server.serving import SSE_DONE, BaseServing, Choice, sse
+from pdserve.server.serving import BaseServing, Choice
 
 
 class CompletionServing(BaseServing):
@@ -38,20 +35,9 @@ class CompletionServing(BaseServing):
         choices, streams = await self.start(request_id, prompts, params, kv)
         response_id = f"cmpl-{request_id}"
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
-                self._stream(response_id, choices, streams, include_usage, len(prompts), req.n,
-                             req.return_token_ids),
-                media_type="text/event-stream")
-        watcher = asyncio.create_task(self.watch_disconnect(raw_request, choices))
-        try:
-            async for _ in self.merged(choices, streams):
-                pass
-        finally:
-            watcher.cancel()
-        error = self.first_error(choices)
-        if error:
-            raise APIError(500, error)
+            return StreamingResponse(self._stream(req, response_id, choices, streams, len(prompts)),
+                                     media_type="text/event-stream")
+        await self.collect(raw_request, choices, streams)
         body = CompletionResponse(
             id=response_id, model=self.model_name,
             choices=[CompletionChoice(index=c.index, text=c.text,
@@ -63,34 +49,27 @@ class CompletionServing(BaseServing):
             kv_transfer_params=choices[0].kv_transfer_params if len(choices) == 1 else None)
         return JSONResponse(body.model_dump())
 
-    async def _stream(self, response_id: str, choices: list[Choice], streams, include_usage: bool,
-                      num_prompts: int, n: int, token_ids: bool):
+    def _stream(self, req: CompletionRequest, response_id: str, choices: list[Choice], streams,
+                num_prompts: int):
         offsets = {c.index: 0 for c in choices}
-        try:
-            async for choice, out in self.merged(choices, streams):
-                if out.error:
-                    yield sse(APIError(500, out.error).body())
-                    continue
-                if not out.new_text and not out.finished and not out.new_token_ids:
-                    continue
-                logprobs = None
-                if out.new_logprobs is not None:
-                    logprobs = self._logprobs(out.new_logprobs, offsets[choice.index])
-                offsets[choice.index] += len(out.new_text)
-                chunk = CompletionResponse(
-                    id=response_id, model=self.model_name,
-                    choices=[CompletionChoice(index=choice.index, text=out.new_text, logprobs=logprobs,
-                                              finish_reason=out.finish_reason,
-                                              stop_reason=out.stop_reason,
-                                              token_ids=out.new_token_ids if token_ids else None)],
-                    kv_transfer_params=out.kv_transfer_params)
-                yield sse(chunk)
-            if include_usage:
-                yield sse(CompletionResponse(id=response_id, model=self.model_name, choices=[],
-                                             usage=self.usage(choices, num_prompts, n)))
-        except APIError as e:
-            yield sse(e.body())
-        yield SSE_DONE
+
+        def chunk(choice: Choice, out) -> CompletionResponse:
+            logprobs = None
+            if out.new_logprobs is not None:
+                logprobs = self._logprobs(out.new_logprobs, offsets[choice.index])
+            offsets[choice.index] += len(out.new_text)
+            return CompletionResponse(
+                id=response_id, model=self.model_name,
+                choices=[CompletionChoice(index=choice.index, text=out.new_text, logprobs=logprobs,
+                                          finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                                          token_ids=out.new_token_ids if req.return_token_ids else None)],
+                kv_transfer_params=out.kv_transfer_params)
+
+        def usage() -> CompletionResponse:
+            return CompletionResponse(id=response_id, model=self.model_name, choices=[],
+                                      usage=self.usage(choices, num_prompts, req.n))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return self.events(choices, streams, chunk, usage if include_usage else None)
 
     def _logprobs(self, entries, text_offset: int) -> CompletionLogprobs:
         out = CompletionLogprobs()
