@@ -18,6 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/pdserve up --port 0 --ask "The prefill server sends the cache to" --exit
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/pytest -q
 
 bench: $(STAMP)

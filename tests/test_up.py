@@ -1,0 +1,79 @@
+"""`pdserve up` as a user runs it (the README's main job): starts P, D and proxy, answers, stops all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _children_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def test_up_answers_then_stops_everything(tiny_model, tmp_path):
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", tiny_model, "--port", "0",
+           "--log-dir", str(tmp_path), "--instance-args", "--num-blocks 128",
+           "--ask", "The prefill server sends", "--max-tokens", "8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines, pids = [], []
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("answer:"):
+                break
+            assert time.monotonic() < deadline
+        text = "".join(lines)
+        assert "proxy    http://127.0.0.1:" in text and "answer:" in text, text
+        assert "error" not in text.lower(), text
+        # each instance runs on its own share of the cores
+        cpus = {}
+        for log in Path(tmp_path).glob("*.port"):
+            role = log.name.split("-")[0]
+            pid = _pid_listening(log)
+            if pid:
+                pids.append(pid)
+                cpus[role] = Path(f"/proc/{pid}/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
+        if os.cpu_count() >= 2:
+            assert cpus["prefill"] != cpus["decode"], cpus
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert proc.wait(30) == 0
+        deadline = time.monotonic() + 10
+        while _children_alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _children_alive(pids), "instances outlived `pdserve up`"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _pid_listening(port_file: Path) -> int | None:
+    """The pid of the process whose bound port is in `port_file` (from /proc/net/tcp inodes)."""
+    import json
+    port = json.loads(port_file.read_text())["port"]
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":  # LISTEN
+            inodes.add(fields[9])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return int(pid)
+        except OSError:
+            continue
+    return None
