@@ -227,7 +227,7 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
     big = [r for r in rows if r["p_tp"] == r["d_tp"] and r["mib"] >= 16 and r["blocks"] == "contiguous"]
-    for label in ("cold", "warm"):
+    for label in ("cold", "warm") if big else ():
         worst = min(r[label]["ratio"] for r in big)
         print(f"equal TP, >= 16 MiB, {label}: worst {worst:.0%} of memcpy (target >= 80 %)")
     return 0
