@@ -129,3 +129,14 @@ def test_logprobs_through_the_proxy(pd):
                                                     ref.top_logprobs)):
         assert abs(got - expected[0][1]) < 1e-4, step  # greedy: the sampled token is the top one
         assert len(top) == 3
+
+
+def test_seeded_sampling_continues_as_colocated(pd):
+    """The producer samples the first token with the request's seed; decode skips that draw, so the
+    whole answer equals a colocated run of the same seeded request (on the decode instance)."""
+    ids = prompt(33, seed=21)
+    params = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    through_pd = complete(pd.proxy.url, ids, **params)["choices"][0]["token_ids"]
+    colocated = complete(pd.decode[0].url, ids, **params)["choices"][0]["token_ids"]
+    assert through_pd == colocated
+    assert complete(pd.proxy.url, ids, **{**params, "seed": 99})["choices"][0]["token_ids"] != colocated
