@@ -79,6 +79,7 @@ def test_bad_kv_transfer_params_are_400_and_leak_nothing(producer, decode):
         (mutate(kv, first_token_id=10 ** 6), "kv_transfer_params.first_token_id"),
         (mutate(kv, remote_engine_id=None), "kv_transfer_params.remote_engine_id"),
         (mutate(kv, lease_s=-1), "kv_transfer_params.lease_s"),
+        (mutate(kv, remote_host="a b"), "kv_transfer_params.remote_host"),
     ]
     for bad, field in cases:
         code, body = decode_request(decode, ids, bad)
@@ -94,6 +95,8 @@ def test_bad_kv_transfer_params_are_400_and_leak_nothing(producer, decode):
     code, body = decode_request(decode, ids, kv)  # the untouched params still work
     assert code == 200
     assert_greedy_match(body["choices"][0]["token_ids"], hf_reference(decode_model(decode), ids, 16), "ok")
+    code, body = decode_request(decode, ids, kv)  # ... once: a replay could read reused blocks
+    assert code == 400 and body["error"]["param"] == "kv_transfer_params.remote_request_id", body
 
 
 def decode_model(inst) -> str:

@@ -110,6 +110,8 @@ class Engine:
                 raise InvalidRequestError("kv_transfer_params.first_token_logprob",
                                           "is required when logprobs are requested (send the "
                                           "request to the producer with logprobs too)")
+            if kv_transfer.do_remote_prefill:
+                self.connector.claim(kv_transfer)
         max_tokens = self.max_model_len - n
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)

@@ -16,6 +16,7 @@ import enum
 import logging
 import queue
 import time
+from collections import OrderedDict
 
 from pdserve.config import KVTransferConfig
 from pdserve.engine.request import Request
@@ -24,10 +25,13 @@ from pdserve.kv_transfer.messages import (HANDSHAKE_VERSION, ConnectorReport, Fi
                                           HandshakeRequest, Heartbeat, HeartbeatAck, PeerAgents,
                                           ReadDone, ReadFailure, ReadSpec, Release)
 from pdserve.kv_transfer.side_channel import SideChannelClient
+from pdserve.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
 REPORT_GRACE_S = 5.0  # after the READ timeout, how long the ranks get to report before we stop waiting
+MIN_HEARTBEAT_S = 0.05
+CLAIMS_KEPT = 1 << 16
 
 
 class LoadState(enum.Enum):
@@ -50,6 +54,7 @@ class Load:
     request: Request
     state: LoadState = LoadState.WAITING_PEER
     deadline: float | None = None  # monotonic; no READ may be posted after it
+    lease_s: float | None = None  # the producer's, from its acknowledgement
     quarantine_s: float = 0.0  # the producer's; our READ timeout stays below half of it
     last_heartbeat: float = 0.0
     reports_due: float = 0.0  # READING: the ranks must have reported by then
@@ -77,12 +82,26 @@ class ConsumerSide:
         self.loads: dict[str, Load] = {}
         self._evict: list[str] = []
         self._engine_ids_seen: set[str] = set()
+        self._claimed: OrderedDict[tuple[str, str], None] = OrderedDict()  # params already used
         self.counters = {"nixl_handshake_round_trips": 0, "nixl_handshake_failures": 0,
                          "nixl_num_failed_transfers": 0, "kv_transfers": 0, "kv_heartbeats": 0}
         self.transfers: list[dict] = []
         self.handshake_latencies: list[float] = []
 
     # --- admission ------------------------------------------------------------------------------
+
+    def claim(self, params) -> None:
+        """At add_request: one producer request's KV is read by one consumer request, once. A second
+        request with the same params (a retried decode leg) could otherwise read blocks the producer
+        freed after the first read."""
+        key = (params.remote_engine_id, params.remote_request_id)
+        if key in self._claimed:
+            raise InvalidRequestError("kv_transfer_params.remote_request_id",
+                                      f"{params.remote_request_id!r} of producer "
+                                      f"{params.remote_engine_id!r} was already used by another request")
+        self._claimed[key] = None
+        if len(self._claimed) > CLAIMS_KEPT:
+            self._claimed.popitem(last=False)
 
     def start(self, request: Request) -> None:
         p = request.kv_transfer
@@ -91,21 +110,20 @@ class ConsumerSide:
         peer = self.peers.get(p.remote_engine_id)
         if peer is None:
             peer = self._handshake(p.remote_engine_id, p.remote_host, p.remote_port, p.tp_size)
-        elif peer.tp_size != p.tp_size:
-            self._fail(load, f"kv_transfer_params.tp_size={p.tp_size} differs from producer "
-                             f"{p.remote_engine_id}'s handshake (tp_size={peer.tp_size})")
+        elif peer.state == PeerState.READY and peer.tp_size != p.tp_size:
+            self._fail(load, f"kv_transfer_params.tp_size={p.tp_size} but producer "
+                             f"{p.remote_engine_id} has tp_size={peer.tp_size}")
             return
         self._heartbeat(peer, [load], time.monotonic())
 
     def _handshake(self, engine_id: str, host: str, port: int, producer_tp: int) -> Peer:
-        for other in [p for p in self.peers.values() if (p.host, p.port) == (host, port)]:
-            self._evict_peer(other.engine_id, f"producer at {host}:{port} restarted as {engine_id}")
-        peer = Peer(engine_id, host, port, producer_tp)
+        peer = self.peers.get(engine_id) or Peer(engine_id, host, port, producer_tp)
+        peer.tp_size = producer_tp
+        peer.asked = ranks_to_ask(producer_tp, self.tp_size, self.num_kv_heads)
         self.peers[engine_id] = peer
         self._engine_ids_seen.add(engine_id)
         started = time.monotonic()
-        request = HandshakeRequest(HANDSHAKE_VERSION, engine_id,
-                                   ranks_to_ask(producer_tp, self.tp_size, self.num_kv_heads))
+        request = HandshakeRequest(HANDSHAKE_VERSION, engine_id, peer.asked)
         self.client.send(host, port, request, self.config.handshake_timeout_s,
                          lambda reply: self._event(("handshake", engine_id, started, reply)))
         return peer
@@ -151,8 +169,7 @@ class ConsumerSide:
             if load.state in (LoadState.READING, LoadState.ABORTING) and now > load.reports_due:
                 self._finish(load, stalled=True)
                 continue
-            period = (load.params.lease_s or self.config.lease_s) / 3
-            if now - load.last_heartbeat >= period and load.state != LoadState.ABORTING:
+            if now - load.last_heartbeat >= self._period(load) and load.state != LoadState.ABORTING:
                 due.setdefault(load.params.remote_engine_id, []).append(load)
         for engine_id, loads in due.items():
             peer = self.peers.get(engine_id)
@@ -165,14 +182,30 @@ class ConsumerSide:
         if peer is None or peer.state == PeerState.READY:
             return
         try:
-            peer.agents = accept_reply(reply, peer, self.fingerprint, self.config.handshake_timeout_s)
+            agents = accept_reply(reply, peer, self.fingerprint, self.config.handshake_timeout_s,
+                                  peer.asked)
         except HandshakeError as e:
             self.counters["nixl_handshake_failures"] += 1
             logger.warning("handshake with %s failed: %s", engine_id, e)
             self._evict_peer(engine_id, f"KV handshake with producer {engine_id} failed: {e}")
             return
+        waiting = [l for l in self.loads.values() if l.params.remote_engine_id == engine_id]
+        for load in [l for l in waiting if l.params.tp_size != agents.tp_size]:
+            self._fail(load, f"kv_transfer_params.tp_size={load.params.tp_size} but producer "
+                             f"{engine_id} has tp_size={agents.tp_size}")
+        if agents.tp_size != peer.tp_size:  # the first request lied: ask again for the right ranks
+            if any(l.params.remote_engine_id == engine_id for l in self.loads.values()):
+                self._handshake(engine_id, peer.host, peer.port, agents.tp_size)
+            else:
+                del self.peers[engine_id]
+            return
+        peer.agents = agents
         peer.state = PeerState.READY
         self.handshake_latencies.append(time.monotonic() - started)
+        for other in [p for p in self.peers.values()
+                      if (p.host, p.port) == (peer.host, peer.port) and p.engine_id != engine_id]:
+            self._evict_peer(other.engine_id, f"producer at {peer.host}:{peer.port} restarted "
+                                              f"as {engine_id}")
         self._promote(peer)
 
     def _on_heartbeat(self, engine_id: str, sent_at: float, request_ids: list[str], reply) -> None:
@@ -190,6 +223,7 @@ class ConsumerSide:
                                      f"{load.params.remote_request_id} (lease expired or released)")
                 continue
             load.deadline = sent_at + reply.lease_s - max(0.1 * reply.lease_s, 0.05)
+            load.lease_s = reply.lease_s
             load.quarantine_s = reply.quarantine_s
         peer = self.peers.get(engine_id)
         if peer is not None:
@@ -220,7 +254,7 @@ class ConsumerSide:
             if peer is None or peer.state != PeerState.READY:
                 self._fail(load, f"producer {p.remote_engine_id} is no longer reachable")
                 continue
-            pool_size = min(r.num_blocks for r in peer.agents.ranks)
+            pool_size = min((r.num_blocks for r in peer.agents.ranks), default=0)
             too_big = [b for b in p.remote_block_ids if b >= pool_size]
             if too_big:
                 self._fail(load, f"kv_transfer_params.remote_block_ids {too_big[:4]} are beyond the "
@@ -327,9 +361,12 @@ class ConsumerSide:
     def is_reading(self) -> bool:
         return any(l.state in (LoadState.READING, LoadState.ABORTING) for l in self.loads.values())
 
+    def _period(self, load: Load) -> float:
+        """Heartbeats every third of the lease the producer acknowledged (never faster than 20/s)."""
+        return max(MIN_HEARTBEAT_S, (load.lease_s or self.config.lease_s) / 3)
+
     def next_heartbeat(self) -> float | None:
-        return min(((l.last_heartbeat + (l.params.lease_s or self.config.lease_s) / 3)
-                    for l in self.loads.values()), default=None)
+        return min((l.last_heartbeat + self._period(l) for l in self.loads.values()), default=None)
 
     def counter_values(self) -> dict:
         return {**self.counters, "nixl_handshakes": len(self._engine_ids_seen)}

@@ -32,10 +32,11 @@ class Peer:
     engine_id: str
     host: str
     port: int
-    tp_size: int
+    tp_size: int  # as the first request claimed it, until the handshake says
     state: PeerState = PeerState.HANDSHAKING
     agents: PeerAgents | None = None
     sent_to_workers: bool = False
+    asked: list[int] = dataclasses.field(default_factory=list)
 
 
 def ranks_to_ask(producer_tp: int, consumer_tp: int, num_kv_heads: int) -> list[int]:
@@ -44,7 +45,9 @@ def ranks_to_ask(producer_tp: int, consumer_tp: int, num_kv_heads: int) -> list[
                    for r in producer_ranks_for(c, producer_tp, consumer_tp, num_kv_heads)})
 
 
-def accept_reply(reply, peer: Peer, ours: Fingerprint, timeout_s: float) -> PeerAgents:
+def accept_reply(reply, peer: Peer, ours: Fingerprint, timeout_s: float, asked: list[int]) -> PeerAgents:
+    """The producer's agents. Their TP size may differ from the one the request claimed: the
+    caller decides what that means for each waiting request."""
     if isinstance(reply, BaseException):
         kind = "timed out" if isinstance(reply, TimeoutError) else "failed"
         raise HandshakeError(f"producer unreachable (handshake {kind} after {timeout_s:g} s: {reply})")
@@ -64,7 +67,7 @@ def accept_reply(reply, peer: Peer, ours: Fingerprint, timeout_s: float) -> Peer
         payload = msgspec.msgpack.decode(reply.payload, type=HandshakePayload)
     except msgspec.DecodeError as e:
         raise HandshakeError(f"undecodable handshake payload: {e}") from None
-    if payload.tp_size != peer.tp_size:
-        raise HandshakeError(f"producer {peer.engine_id} has tp_size={payload.tp_size}, the request "
-                             f"said {peer.tp_size}")
+    if payload.tp_size == peer.tp_size and sorted(r.rank for r in payload.ranks) != asked:
+        raise HandshakeError(f"the reply carries ranks {sorted(r.rank for r in payload.ranks)}, "
+                             f"not the ranks asked for {asked}")
     return PeerAgents(peer.engine_id, payload.tp_size, payload.ranks)

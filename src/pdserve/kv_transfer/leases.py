@@ -41,10 +41,14 @@ class Lease:
         self.state = state
 
     def bind(self, consumer_engine_id: str, consumer_tp: int, producer_tp: int, num_kv_heads: int) -> bool:
-        """The first consumer to speak for this lease owns it; others are refused."""
+        """The first consumer to speak for this lease owns it; others are refused, and so is a
+        consumer TP size that cannot shard the heads (it comes from the network)."""
         if self.consumer_engine_id is None:
+            try:
+                self.expected = expected_reads(producer_tp, consumer_tp, num_kv_heads)
+            except (ValueError, TypeError, ZeroDivisionError):
+                return False
             self.consumer_engine_id = consumer_engine_id
-            self.expected = expected_reads(producer_tp, consumer_tp, num_kv_heads)
         return self.consumer_engine_id == consumer_engine_id
 
 

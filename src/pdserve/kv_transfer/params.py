@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from pdserve.model.parallel import check_tp_size
 from pdserve.sampling_params import InvalidRequestError
 
 FIELD = "kv_transfer_params"
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-]{0,252}|[0-9A-Fa-f:.]{2,45}")  # DNS name, IPv4 or IPv6
 
 
 def prompt_hash(token_ids: list[int]) -> str:
@@ -59,7 +61,7 @@ class KVTransferParams:
             do_remote_decode=p.bool("do_remote_decode"),
             do_remote_prefill=p.bool("do_remote_prefill"),
             remote_engine_id=p.str("remote_engine_id"),
-            remote_host=p.str("remote_host"),
+            remote_host=p.host("remote_host"),
             remote_port=p.int("remote_port", lo=1, hi=65535),
             remote_block_ids=p.int_list("remote_block_ids"),
             remote_request_id=p.str("remote_request_id"),
@@ -146,6 +148,12 @@ class _Reader:
         value = self._get(key, (str,), "a string")
         if value is not None and not value:
             raise InvalidRequestError(f"{FIELD}.{key}", "must not be empty")
+        return value
+
+    def host(self, key: str) -> str | None:
+        value = self.str(key)
+        if value is not None and not _HOST.fullmatch(value):
+            raise InvalidRequestError(f"{FIELD}.{key}", f"is not a host name or address: {value!r}")
         return value
 
     def int(self, key: str, lo: int | None = None, hi: int | None = None) -> int | None:

@@ -45,6 +45,10 @@ class SchedulerConnector:
         return request.kv_transfer is not None and request.kv_transfer.do_remote_prefill \
             and not request.kv_load_failed
 
+    def claim(self, params) -> None:
+        """Called by add_request for a consumer request (may raise InvalidRequestError)."""
+        self.consumer.claim(params)
+
     def start_load(self, request: Request) -> None:
         self.consumer.start(request)
 

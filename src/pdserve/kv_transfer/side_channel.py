@@ -123,79 +123,125 @@ class SideChannelClient:
     def send(self, host: str, port: int, request, timeout_s: float,
              on_reply: Callable[[object], None]) -> None:
         self._inbox.put((host, port, request, timeout_s, on_reply))
-        with self._wake_lock:
-            self._wake_send.send(b"", zmq.NOBLOCK)
+        self._wake()
 
     def close(self) -> None:
         self._stop = True
-        with self._wake_lock:
-            self._wake_send.send(b"", zmq.NOBLOCK)
+        self._wake()
         self._thread.join(timeout=2)
 
+    def _wake(self) -> None:
+        with self._wake_lock:
+            try:
+                self._wake_send.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # wake-ups already queued: the thread will see the inbox anyway
+                pass
+
     def _run(self) -> None:
-        sockets: dict[tuple[str, int], zmq.Socket] = {}
-        pending: dict[tuple[int, int], tuple[float, Callable]] = {}  # (socket id, seq) -> ...
-        seq = 0
-        poller = zmq.Poller()
-        poller.register(self._wake_recv, zmq.POLLIN)
+        self._sockets: dict[tuple[str, int], zmq.Socket] = {}
+        self._last_used: dict[tuple[str, int], float] = {}
+        self._pending: dict[tuple[int, int], tuple[float, Callable]] = {}  # (socket id, seq) -> ...
+        self._seq = 0
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_recv, zmq.POLLIN)
         while not self._stop:
-            timeout_ms = 1000
-            if pending:
-                nearest = min(d for d, _ in pending.values())
-                timeout_ms = max(0, int((nearest - time.monotonic()) * 1000) + 1)
-            events = dict(poller.poll(timeout_ms))
-            if self._wake_recv in events:
-                while self._wake_recv.poll(0):
-                    self._wake_recv.recv()
-                while True:
-                    try:
-                        host, port, request, timeout_s, on_reply = self._inbox.get_nowait()
-                    except queue.Empty:
-                        break
-                    sock = sockets.get((host, port))
-                    if sock is None:
-                        sock = self._ctx.socket(zmq.DEALER)
-                        sock.setsockopt(zmq.LINGER, 0)
-                        if ":" in host:
-                            sock.setsockopt(zmq.IPV6, 1)
-                        sock.connect(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
-                        sockets[(host, port)] = sock
-                        poller.register(sock, zmq.POLLIN)
-                    seq += 1
-                    seq_b = seq.to_bytes(8, "little")
-                    body = _encoder.encode(request)
-                    try:
-                        sock.send_multipart([_mac(self._secret, seq_b, body), seq_b, body], zmq.NOBLOCK)
-                        pending[(id(sock), seq)] = (time.monotonic() + timeout_s, on_reply)
-                    except zmq.ZMQError as e:
-                        on_reply(SideChannelError(f"cannot send to {host}:{port}: {e}"))
-            for sock in list(sockets.values()):
-                if sock not in events:
-                    continue
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if len(frames) != 3:
-                        continue
-                    mac, seq_b, body = frames
-                    entry = pending.pop((id(sock), int.from_bytes(seq_b, "little")), None)
-                    if entry is None:
-                        continue  # answered after its timeout
-                    if not _verify(self._secret, mac, seq_b, body):
-                        entry[1](SideChannelError("reply without a valid HMAC"))
-                        continue
-                    try:
-                        entry[1](_reply_decoder.decode(body))
-                    except msgspec.DecodeError as e:
-                        entry[1](SideChannelError(f"undecodable reply: {e}"))
-            now = time.monotonic()
-            for key, (deadline, on_reply) in list(pending.items()):
-                if deadline <= now:
-                    del pending[key]
-                    on_reply(TimeoutError("no answer within the timeout"))
-        for sock in sockets.values():
+            try:
+                self._turn()
+            except Exception:  # noqa: BLE001 - the thread that enforces every timeout must live
+                logger.exception("side channel client: unexpected error")
+        for sock in self._sockets.values():
             sock.close(0)
         self._wake_recv.close(0)
         self._wake_send.close(0)
+
+    def _turn(self) -> None:
+        timeout_ms = 1000
+        if self._pending:
+            nearest = min(d for d, _ in self._pending.values())
+            timeout_ms = max(0, int((nearest - time.monotonic()) * 1000) + 1)
+        events = dict(self._poller.poll(timeout_ms))
+        if self._wake_recv in events:
+            while self._wake_recv.poll(0):
+                self._wake_recv.recv()
+        while True:
+            try:
+                host, port, request, timeout_s, on_reply = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            self._send_one(host, port, request, timeout_s, on_reply)
+        for sock in list(self._sockets.values()):
+            if sock in events:
+                self._receive(sock)
+        now = time.monotonic()
+        for key, (deadline, on_reply) in list(self._pending.items()):
+            if deadline <= now:
+                del self._pending[key]
+                _call(on_reply, TimeoutError("no answer within the timeout"))
+        self._close_idle(now)
+
+    def _send_one(self, host, port, request, timeout_s, on_reply) -> None:
+        addr = (host, port)
+        try:
+            sock = self._sockets.get(addr)
+            if sock is None:
+                sock = self._ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                try:
+                    if ":" in host:
+                        sock.setsockopt(zmq.IPV6, 1)
+                    sock.connect(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
+                except zmq.ZMQError:
+                    sock.close(0)
+                    raise
+                self._sockets[addr] = sock
+                self._poller.register(sock, zmq.POLLIN)
+            self._last_used[addr] = time.monotonic()
+            self._seq += 1
+            seq_b = self._seq.to_bytes(8, "little")
+            body = _encoder.encode(request)
+            sock.send_multipart([_mac(self._secret, seq_b, body), seq_b, body], zmq.NOBLOCK)
+            self._pending[(id(sock), self._seq)] = (time.monotonic() + timeout_s, on_reply)
+        except zmq.ZMQError as e:
+            _call(on_reply, SideChannelError(f"cannot reach {host}:{port}: {e}"))
+
+    def _receive(self, sock) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3:
+                continue
+            mac, seq_b, body = frames
+            entry = self._pending.pop((id(sock), int.from_bytes(seq_b, "little")), None)
+            if entry is None:
+                continue  # answered after its timeout
+            if not _verify(self._secret, mac, seq_b, body):
+                _call(entry[1], SideChannelError("reply without a valid HMAC"))
+                continue
+            try:
+                reply = _reply_decoder.decode(body)
+            except msgspec.DecodeError as e:
+                reply = SideChannelError(f"undecodable reply: {e}")
+            _call(entry[1], reply)
+
+    def _close_idle(self, now: float) -> None:
+        """A DEALER unused for a minute with nothing pending is closed (bogus addresses do not
+        accumulate sockets)."""
+        busy = {key[0] for key in self._pending}
+        for addr, last in list(self._last_used.items()):
+            sock = self._sockets[addr]
+            if now - last > IDLE_SOCKET_S and id(sock) not in busy:
+                self._poller.unregister(sock)
+                sock.close(0)
+                del self._sockets[addr], self._last_used[addr]
+
+
+IDLE_SOCKET_S = 60.0
+
+
+def _call(on_reply: Callable[[object], None], reply) -> None:
+    try:
+        on_reply(reply)
+    except Exception:  # noqa: BLE001
+        logger.exception("side channel: reply callback failed")

@@ -192,8 +192,8 @@ class WorkerConnector:
             try:
                 handle = self.agent.read(ranks[p_rank][0], local, remote,
                                          _notification_encoder.encode(note))
-            except TransferError as e:
-                read.failed, read.peer_gone = str(e), True
+            except Exception as e:  # noqa: BLE001 - READs already posted stay tracked until they end
+                read.failed, read.peer_gone = str(e), isinstance(e, TransferError)
                 break
             read.handles.append(handle)
             read.num_bytes += int(local[:, 1].sum())

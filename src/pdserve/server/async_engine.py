@@ -90,7 +90,11 @@ class AsyncEngine:
         def add(engine: Engine):
             engine.add_request(request_id, prompt_token_ids, params, kv_transfer)
             self._streams[request_id] = stream
-        await self.call(add)
+        try:
+            await self.call(add)
+        except asyncio.CancelledError:  # the caller left while the engine was adding it
+            self.abort(request_id)
+            raise
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -157,6 +161,9 @@ class AsyncEngine:
                     self._shutdown_requests()
                     return
                 fn, done = item
+                if done is not None and not done.set_running_or_notify_cancel():
+                    item = self._next_command()
+                    continue  # its caller is gone
                 try:
                     result = fn(engine)
                     if done is not None:
@@ -166,13 +173,16 @@ class AsyncEngine:
                         logger.exception("engine command failed")
                     else:
                         done.set_exception(e)
-                try:
-                    item = self._commands.get_nowait()
-                except queue.Empty:
-                    item = ...
+                item = self._next_command()
             outputs = engine.step()
             if outputs:
                 self._dispatch(outputs)
+
+    def _next_command(self):
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return ...
 
     def _idle_wait(self) -> float:
         connector = self.engine.connector

@@ -73,7 +73,11 @@ class NixlAgent:
             handle = self._agent.initialize_xfer("READ", local_d, remote_d, peer, notification)
         except Exception as e:  # noqa: BLE001
             raise TransferError(f"cannot create a READ from {peer}: {e}") from e
-        status = self._agent.transfer(handle)
+        try:
+            status = self._agent.transfer(handle)
+        except Exception as e:  # noqa: BLE001 - NIXL raises on an error status
+            self.release(handle)
+            raise TransferError(f"posting a READ from {peer} failed: {e}") from e
         if status == "ERR":
             self.release(handle)
             raise TransferError(f"posting a READ from {peer} failed")
