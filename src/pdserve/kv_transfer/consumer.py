@@ -11,8 +11,6 @@ quarantined: a READ may still land). Whoever gives up tells the producer to rele
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import logging
 import queue
 import time
@@ -20,10 +18,10 @@ from collections import OrderedDict
 
 from pdserve.config import KVTransferConfig
 from pdserve.engine.request import Request
-from pdserve.kv_transfer.handshake import HandshakeError, Peer, PeerState, accept_reply, ranks_to_ask
-from pdserve.kv_transfer.messages import (HANDSHAKE_VERSION, ConnectorReport, Fingerprint,
-                                          HandshakeRequest, Heartbeat, HeartbeatAck, PeerAgents,
-                                          ReadDone, ReadFailure, ReadSpec, Release)
+from pdserve.kv_transfer.handshake import HandshakeError, Peer, PeerState, PeerTable
+from pdserve.kv_transfer.load import WAITING, Load, LoadState
+from pdserve.kv_transfer.messages import (ConnectorReport, Fingerprint, Heartbeat, HeartbeatAck,
+                                          PeerAgents, ReadFailure, ReadSpec, Release)
 from pdserve.kv_transfer.side_channel import SideChannelClient
 from pdserve.sampling_params import InvalidRequestError
 
@@ -32,41 +30,6 @@ logger = logging.getLogger(__name__)
 REPORT_GRACE_S = 5.0  # after the READ timeout, how long the ranks get to report before we stop waiting
 MIN_HEARTBEAT_S = 0.05
 CLAIMS_KEPT = 1 << 16
-
-
-class LoadState(enum.Enum):
-    WAITING_PEER = "waiting_peer"  # handshake or first heartbeat acknowledgement outstanding
-    READY = "ready"  # next step sends the READ
-    READING = "reading"  # waiting for every rank's report
-    ABORTING = "aborting"  # the client left while reading: end once every rank has reported
-
-
-_TRANSITIONS = {
-    LoadState.WAITING_PEER: {LoadState.READY},
-    LoadState.READY: {LoadState.READING},
-    LoadState.READING: {LoadState.ABORTING},
-}
-_WAITING = (LoadState.WAITING_PEER, LoadState.READY)
-
-
-@dataclasses.dataclass
-class Load:
-    request: Request
-    state: LoadState = LoadState.WAITING_PEER
-    deadline: float | None = None  # monotonic; no READ may be posted after it
-    lease_s: float | None = None  # the producer's, from its acknowledgement
-    quarantine_s: float = 0.0  # the producer's; our READ timeout stays below half of it
-    last_heartbeat: float = 0.0
-    reports_due: float = 0.0  # READING: the ranks must have reported by then
-    results: dict[int, ReadDone | ReadFailure] = dataclasses.field(default_factory=dict)
-
-    @property
-    def params(self):
-        return self.request.kv_transfer
-
-    def move_to(self, state: LoadState) -> None:
-        assert state in _TRANSITIONS.get(self.state, ()), f"{self.request.request_id}: {self.state} -> {state}"
-        self.state = state
 
 
 class ConsumerSide:
@@ -78,15 +41,12 @@ class ConsumerSide:
         self.num_kv_heads = engine.spec.num_kv_heads
         self.client = SideChannelClient(config.secret)
         self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self.peers: dict[str, Peer] = {}
+        self.peers = PeerTable(self.client, fingerprint, tp_size, engine.spec.num_kv_heads,
+                               config.handshake_timeout_s, self._event)
         self.loads: dict[str, Load] = {}
-        self._evict: list[str] = []
-        self._engine_ids_seen: set[str] = set()
         self._claimed: OrderedDict[tuple[str, str], None] = OrderedDict()  # params already used
-        self.counters = {"nixl_handshake_round_trips": 0, "nixl_handshake_failures": 0,
-                         "nixl_num_failed_transfers": 0, "kv_transfers": 0, "kv_heartbeats": 0}
+        self.counters = {"nixl_num_failed_transfers": 0, "kv_transfers": 0, "kv_heartbeats": 0}
         self.transfers: list[dict] = []
-        self.handshake_latencies: list[float] = []
 
     # --- admission ------------------------------------------------------------------------------
 
@@ -109,24 +69,12 @@ class ConsumerSide:
         self.loads[request.request_id] = load
         peer = self.peers.get(p.remote_engine_id)
         if peer is None:
-            peer = self._handshake(p.remote_engine_id, p.remote_host, p.remote_port, p.tp_size)
+            peer = self.peers.handshake(p.remote_engine_id, p.remote_host, p.remote_port, p.tp_size)
         elif peer.state == PeerState.READY and peer.tp_size != p.tp_size:
             self._fail(load, f"kv_transfer_params.tp_size={p.tp_size} but producer "
                              f"{p.remote_engine_id} has tp_size={peer.tp_size}")
             return
         self._heartbeat(peer, [load], time.monotonic())
-
-    def _handshake(self, engine_id: str, host: str, port: int, producer_tp: int) -> Peer:
-        peer = self.peers.get(engine_id) or Peer(engine_id, host, port, producer_tp)
-        peer.tp_size = producer_tp
-        peer.asked = ranks_to_ask(producer_tp, self.tp_size, self.num_kv_heads)
-        self.peers[engine_id] = peer
-        self._engine_ids_seen.add(engine_id)
-        started = time.monotonic()
-        request = HandshakeRequest(HANDSHAKE_VERSION, engine_id, peer.asked)
-        self.client.send(host, port, request, self.config.handshake_timeout_s,
-                         lambda reply: self._event(("handshake", engine_id, started, reply)))
-        return peer
 
     def _heartbeat(self, peer: Peer, loads: list[Load], now: float) -> None:
         for l in loads:
@@ -177,40 +125,32 @@ class ConsumerSide:
                 self._heartbeat(peer, loads, now)
 
     def _on_handshake(self, engine_id: str, started: float, reply) -> None:
-        self.counters["nixl_handshake_round_trips"] += 1
         peer = self.peers.get(engine_id)
         if peer is None or peer.state == PeerState.READY:
             return
         try:
-            agents = accept_reply(reply, peer, self.fingerprint, self.config.handshake_timeout_s,
-                                  peer.asked)
+            agents = self.peers.check(peer, reply)
         except HandshakeError as e:
-            self.counters["nixl_handshake_failures"] += 1
             logger.warning("handshake with %s failed: %s", engine_id, e)
             self._evict_peer(engine_id, f"KV handshake with producer {engine_id} failed: {e}")
             return
-        waiting = [l for l in self.loads.values() if l.params.remote_engine_id == engine_id]
-        for load in [l for l in waiting if l.params.tp_size != agents.tp_size]:
+        for load in [l for l in self.loads.values() if l.params.remote_engine_id == engine_id
+                     and l.params.tp_size != agents.tp_size]:
             self._fail(load, f"kv_transfer_params.tp_size={load.params.tp_size} but producer "
                              f"{engine_id} has tp_size={agents.tp_size}")
-        if agents.tp_size != peer.tp_size:  # the first request lied: ask again for the right ranks
+        if agents.tp_size != peer.tp_size:  # the first request was wrong: ask for the right ranks
             if any(l.params.remote_engine_id == engine_id for l in self.loads.values()):
-                self._handshake(engine_id, peer.host, peer.port, agents.tp_size)
+                self.peers.handshake(engine_id, peer.host, peer.port, agents.tp_size)
             else:
-                del self.peers[engine_id]
+                self.peers.evict(engine_id)
             return
-        peer.agents = agents
-        peer.state = PeerState.READY
-        self.handshake_latencies.append(time.monotonic() - started)
-        for other in [p for p in self.peers.values()
-                      if (p.host, p.port) == (peer.host, peer.port) and p.engine_id != engine_id]:
-            self._evict_peer(other.engine_id, f"producer at {peer.host}:{peer.port} restarted "
-                                              f"as {engine_id}")
+        for gone in self.peers.ready(peer, agents, started):
+            self._evict_peer(gone, f"producer at {peer.host}:{peer.port} restarted as {engine_id}")
         self._promote(peer)
 
     def _on_heartbeat(self, engine_id: str, sent_at: float, request_ids: list[str], reply) -> None:
         if not isinstance(reply, HeartbeatAck):
-            if any(rid in self.loads and self.loads[rid].state in _WAITING for rid in request_ids):
+            if any(rid in self.loads and self.loads[rid].state in WAITING for rid in request_ids):
                 self._evict_peer(engine_id, f"producer {engine_id} unreachable (heartbeat: {reply})")
             return
         for rid, alive in zip(request_ids, reply.alive):
@@ -218,7 +158,7 @@ class ConsumerSide:
             if load is None:
                 continue
             if not alive:
-                if load.state in _WAITING:
+                if load.state in WAITING:
                     self._fail(load, f"producer {engine_id} no longer holds the KV of "
                                      f"{load.params.remote_request_id} (lease expired or released)")
                 continue
@@ -240,12 +180,8 @@ class ConsumerSide:
     # --- step metadata and reports ----------------------------------------------------------------
 
     def build(self) -> tuple[list[PeerAgents], list[str], list[ReadSpec]]:
-        peers = []
-        for peer in self.peers.values():
-            if peer.state == PeerState.READY and not peer.sent_to_workers:
-                peer.sent_to_workers = True
-                peers.append(peer.agents)
-        evict, self._evict = self._evict, []
+        peers = self.peers.to_workers()
+        evict = self.peers.take_evicted()
         reads = []
         now = time.monotonic()
         for load in [l for l in self.loads.values() if l.state == LoadState.READY]:
@@ -326,11 +262,9 @@ class ConsumerSide:
         """Forget a producer (the next request naming it handshakes again). Its requests that have
         not started reading cannot progress: they fail (or recompute) with `reason`; the ranks drop
         its agents once their in-flight READs from it have ended."""
-        peer = self.peers.pop(engine_id, None)
-        if peer is not None and peer.sent_to_workers:
-            self._evict.append(engine_id)
+        self.peers.evict(engine_id)
         for load in [l for l in self.loads.values()
-                     if l.params.remote_engine_id == engine_id and l.state in _WAITING]:
+                     if l.params.remote_engine_id == engine_id and l.state in WAITING]:
             self._fail(load, reason)
 
     def abort(self, request: Request) -> bool:
@@ -369,7 +303,9 @@ class ConsumerSide:
         return min((l.last_heartbeat + self._period(l) for l in self.loads.values()), default=None)
 
     def counter_values(self) -> dict:
-        return {**self.counters, "nixl_handshakes": len(self._engine_ids_seen)}
+        return {**self.counters, "nixl_handshakes": len(self.peers.engine_ids_seen),
+                "nixl_handshake_round_trips": self.peers.round_trips,
+                "nixl_handshake_failures": self.peers.failures}
 
     def close(self) -> None:
         self.client.close()

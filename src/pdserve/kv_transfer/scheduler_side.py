@@ -109,13 +109,13 @@ class SchedulerConnector:
         c = self.consumer
         out = {"leases_active": len(self.producer.leases),
                "counters": {**c.counter_values(), **self.producer.counters()},
-               "transfers": list(c.transfers), "handshake_latencies": list(c.handshake_latencies),
+               "transfers": list(c.transfers), "handshake_latencies": list(c.peers.latencies),
                "num_handshakes_served": self.producer.num_handshakes_served,
                "side_channel_port": self.producer.server.port,
-               "peers": sorted(c.peers)}
+               "peers": sorted(c.peers.peers)}
         if drain:
             c.transfers.clear()
-            c.handshake_latencies.clear()
+            c.peers.latencies.clear()
         return out
 
     def close(self) -> None:
