@@ -102,3 +102,23 @@ def test_proxy_errors_and_metrics(xpyd):
     for name in ("pdserve_proxy:time_to_first_token_seconds", "pdserve_proxy:inter_token_latency_seconds",
                  "pdserve_proxy:time_per_output_token_seconds", "pdserve_proxy:e2e_request_latency_seconds"):
         assert f"{name}_count" in text
+
+
+def test_vllm_toy_proxy_protocol_gets_correct_answers(xpyd):
+    """vLLM's toy proxy: prefill with max_tokens 1, stream false and null remote_* keys; whatever
+    kv_transfer_params come back go to decode with the client's original body."""
+    p = ids(40, seed=12)
+    body = {"prompt": p, "max_tokens": 10, "temperature": 0, "return_token_ids": True}
+    prefill_body = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+    code, answer = post_json(xpyd.prefill[0].url + "/v1/completions", prefill_body)
+    assert code == 200
+    decode_body = dict(body)
+    if answer.get("kv_transfer_params"):
+        decode_body["kv_transfer_params"] = answer["kv_transfer_params"]
+    code, final = post_json(xpyd.decode[0].url + "/v1/completions", decode_body)
+    assert code == 200
+    assert_greedy_match(final["choices"][0]["token_ids"], hf_reference(xpyd.model, p, 10), "toy proxy")
+    for inst in xpyd.instances:
+        assert wait_idle(inst)["num_free_blocks"] == stats(inst)["num_blocks"]
