@@ -17,6 +17,7 @@ import uvicorn
 from pdserve.config import EngineConfig, ServerConfig
 from pdserve.server.app import create_app
 from pdserve.server.middleware import RequestIdFilter
+from pdserve.worker.worker import GIL_SWITCH_INTERVAL_S
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -52,6 +53,7 @@ def configure_logging(level: str = "INFO") -> None:
 
 
 def run_server(server: ServerConfig, engine: EngineConfig, log_level: str = "INFO") -> None:
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     configure_logging(log_level)
     sock = bind(server.host, server.port)
     report_port(sock, server.host, server.port_file, "server")
