@@ -45,6 +45,8 @@ def layout_for(spec: ModelSpec, tp: int, num_blocks: int) -> CacheLayout:
 def rank_main(conn, model: str, role: str, rank: int, tp: int, num_blocks: int) -> None:
     """One rank: a KV cache and a WorkerConnector, driven over a pipe."""
     from pdserve.kv_transfer.worker_side import WorkerConnector
+    from pdserve.worker.worker import GIL_SWITCH_INTERVAL_S
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as in a serving rank
     torch.set_num_threads(1)
     spec = ModelSpec.from_dir(model)
     cache = KVCache(layout_for(spec, tp, num_blocks), torch.float32)
