@@ -8,6 +8,7 @@ and connector state is read from the engine thread at scrape time. Names follow 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -61,8 +62,7 @@ class ServerMetrics:
         self.handshake_latency = Histogram("pdserve:nixl_handshake_latency_seconds",
                                            "Side-channel handshake latency.", labels,
                                            buckets=_TRANSFER_BUCKETS, registry=r)
-        c = {}
-        for name, doc in [
+        self._counter_docs = dict([
             ("nixl_handshakes", "Handshakes (one per distinct producer engine id)."),
             ("nixl_handshake_round_trips", "Side-channel round trips made for handshakes."),
             ("nixl_handshake_failures", "Failed handshakes."),
@@ -74,9 +74,9 @@ class ServerMetrics:
             ("kv_heartbeats", "Heartbeats sent (consumer)."),
             ("kv_heartbeats_acked", "Heartbeats answered (producer)."),
             ("kv_notifications_ignored", "Unknown, late or duplicate notifications."),
-        ]:
-            c[name] = Gauge(f"pdserve:{name}_total", doc, labels, registry=r)
-        self.connector_counters = c
+        ])
+        self._counter_values: dict[str, float] = {}
+        r.register(self)  # collect() below: the connector's cumulative counts, as counters
 
     def update_engine(self, stats: dict) -> None:
         m = self.model
@@ -93,8 +93,7 @@ class ServerMetrics:
         kv = stats.get("kv_transfer")
         if kv:
             g["kv_leases_active"].labels(m).set(kv["leases_active"])
-            for name, value in kv["counters"].items():
-                self.connector_counters[name].labels(m).set(value)
+            self._counter_values = dict(kv["counters"])
             for t in kv["transfers"]:
                 self.xfer_time.labels(m).observe(t["duration_s"])
                 self.xfer_bytes.labels(m).observe(t["num_bytes"])
@@ -103,6 +102,13 @@ class ServerMetrics:
                     self.xfer_gbps.labels(m).observe(t["num_bytes"] / t["duration_s"] / 1e9)
             for s in kv["handshake_latencies"]:
                 self.handshake_latency.labels(m).observe(s)
+
+    def collect(self):
+        """The KV connector's counters are kept by the engine; they are reported as they stand."""
+        for name, doc in self._counter_docs.items():
+            family = CounterMetricFamily(f"pdserve:{name}", doc, labels=["model_name"])
+            family.add_metric([self.model], self._counter_values.get(name, 0))
+            yield family
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
