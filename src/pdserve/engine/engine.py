@@ -142,14 +142,11 @@ class Engine:
             return False
         if self.connector is not None and self.connector.abort_load(request):
             return True  # blocks are freed once every rank's READ has ended
-        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        self._pending.append(RequestOutput(request_id, [], "", None, finished=True,
-                                           finish_reason="abort",
-                                           num_prompt_tokens=request.num_prompt_tokens))
+        self.finish_aborted(request)
         return True
 
     def finish_aborted(self, request: Request) -> None:
-        """End a request whose abort had to wait for its in-flight KV reads."""
+        """End an aborted request (called later for one whose abort waited for its KV reads)."""
         self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         self._pending.append(RequestOutput(request.request_id, [], "", None, finished=True,
                                            finish_reason="abort",
@@ -166,11 +163,11 @@ class Engine:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
 
     def needs_step(self) -> bool:
-        """Work is waiting that a step would advance (the server loop sleeps otherwise)."""
+        """A step would advance something now (the server loop sleeps otherwise). Queued requests
+        alone do not count: each new request gets a step when it arrives, and one that could not be
+        admitted waits for blocks to come back, which happens in a step or at a connector timer,
+        so an overloaded engine does not spin."""
         if self._pending or self.scheduler.running:
-            return True
-        if self.scheduler.waiting and any(r.status != RequestStatus.WAITING_FOR_REMOTE_KV
-                                          for r in self.scheduler.waiting):
             return True
         return self.connector is not None and self.connector.needs_step()
 
