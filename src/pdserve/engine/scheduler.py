@@ -78,7 +78,6 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequest] = []
-        scheduled: set[str] = set()
         preempted = 0
 
         for request in list(self.running):
@@ -96,7 +95,6 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue
             chunks.append(self._chunk(request, num_new, new_requests))
-            scheduled.add(request.request_id)
             budget -= num_new
 
         while self.waiting and budget > 0 and not preempted:
@@ -112,7 +110,6 @@ class Scheduler:
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             chunks.append(self._chunk(request, num_new, new_requests))
-            scheduled.add(request.request_id)
             budget -= num_new
 
         finished, self._finished_ids = self._finished_ids, []
