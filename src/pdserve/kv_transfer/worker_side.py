@@ -121,10 +121,13 @@ class WorkerConnector:
                     self._apply(meta)
                 except Exception:  # noqa: BLE001 - never lose the thread
                     logger.exception("rank %d: bad connector metadata", self.rank)
-            if self._inflight:
-                self._progress()
-            if self._inflight or self._polling:
-                self._collect_notifications()
+            try:
+                if self._inflight:
+                    self._progress()
+                if self._inflight or self._polling:
+                    self._collect_notifications()
+            except Exception:  # noqa: BLE001 - the thread that reports every READ must live
+                logger.exception("rank %d: NIXL progress failed", self.rank)
 
     def _apply(self, meta: ConnectorMetadata) -> None:
         self._consumer_engine_id = meta.consumer_engine_id
