@@ -24,15 +24,20 @@ def naive(q, k_cache, v_cache, tables, lens, window):
     return out
 
 
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window", [None, 5, 20])
 @pytest.mark.parametrize("kv_heads, heads", [(2, 4), (1, 4), (4, 4)])
-def test_kernel_and_fallback_match_reference(kv_heads, heads, window):
+@pytest.mark.parametrize("bs, d", [(4, 32), (16, 64), (16, 128), (8, 40)])
+def test_kernel_and_fallback_match_reference(kv_heads, heads, window, bs, d):
+    """Head sizes 32/64/128 take the kernel's vector path (64 and 128 specialised), 40 its plain
+    loop; contexts cross blocks and 16-token groups, start mid-block under a window and end on
+    and off block edges."""
     g = torch.Generator().manual_seed(0)
-    blocks, bs, d = 40, 4, 32
+    blocks = 80
     k_cache = torch.randn(blocks, kv_heads, bs, d, generator=g).double()
     v_cache = torch.randn(blocks, kv_heads, bs, d, generator=g).double()
-    lens = torch.tensor([1, 7, 13, 16], dtype=torch.int32)
-    tables = torch.stack([torch.randperm(blocks, generator=g)[:4] for _ in lens])
+    lens = torch.tensor([1, 7, 13, 16, 17, 33, 50], dtype=torch.int32)
+    per_seq = -(-int(lens.max()) // bs)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:per_seq] for _ in lens])
     q = torch.randn(len(lens), heads, d, generator=g)
     expected = naive(q, k_cache, v_cache, tables, lens, window)
     kc, vc = k_cache.float(), v_cache.float()

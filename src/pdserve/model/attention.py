@@ -57,9 +57,8 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend. Returns [tokens, heads, head_dim]."""
-    k_cache[meta.slot_blocks, :, meta.slot_offsets] = k
-    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+    """Attend, with this step's K/V already written to the cache (fused.rope_write_kv). Returns
+    [tokens, heads, head_dim]."""
     out = torch.empty_like(q)
     for seq in meta.prefills:
         rows = slice(seq.start, seq.start + seq.num_tokens)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.attention import AttentionMetadata, paged_attention
+from pdserve.model.fused import add_rms_norm, rope_write_kv, silu_mul
+from pdserve.model.host_memory import to_huge_pages
 from pdserve.model.layers import RotaryEmbedding, rms_norm
 from pdserve.model.parallel import TPGroup, check_tp_size, kv_head_range, shard_range
 from pdserve.model.spec import ModelSpec
@@ -63,16 +65,19 @@ class DecoderLayer:
             w("mlp.gate_proj.weight")[lo:hi], w("mlp.up_proj.weight")[lo:hi],
         ]))
         self.down_weight = _t(w("mlp.down_proj.weight")[:, lo:hi])
+        self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight = to_huge_pages(
+            [self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight])
         self.input_norm = w("input_layernorm.weight")
         self.post_attn_norm = w("post_attention_layernorm.weight")
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x: the residual stream, still missing the previous layer's output `delta` (None for the
+        first layer); both are added in place. Returns this layer's output, for the next to add."""
         eps = self.spec.rms_norm_eps
-        x = x + self._attention(rms_norm(x, self.input_norm, eps), positions, k_cache, v_cache, meta)
-        h = rms_norm(x, self.post_attn_norm, eps)
-        gate, up = (h @ self.gate_up_weight).chunk(2, dim=-1)
-        return x + self.tp.all_reduce((F.silu(gate) * up) @ self.down_weight)
+        h = add_rms_norm(x, delta, self.input_norm, eps)
+        h = add_rms_norm(x, self._attention(h, positions, k_cache, v_cache, meta), self.post_attn_norm, eps)
+        return self.tp.all_reduce(silu_mul(h @ self.gate_up_weight) @ self.down_weight)
 
     def _attention(self, x, positions, k_cache, v_cache, meta):
         d, num_tokens = self.spec.head_dim, x.shape[0]
@@ -86,7 +91,8 @@ class DecoderLayer:
         if self.spec.qk_norm:
             q = rms_norm(q, self.q_norm, self.spec.rms_norm_eps)
             k = rms_norm(k, self.k_norm, self.spec.rms_norm_eps)
-        q, k = self.rope(positions, q, k)
+        q, k = rope_write_kv(self.rope, positions, q, k, v, k_cache, v_cache, meta.slot_blocks,
+                             meta.slot_offsets)
         o = paged_attention(q, k, v, k_cache, v_cache, meta)
         return self.tp.all_reduce(o.reshape(num_tokens, -1) @ self.o_weight)
 
@@ -108,17 +114,17 @@ class CausalLM:
         per_rank = -(-spec.vocab_size // tp.size)
         shard = torch.zeros(per_rank, spec.hidden_size, dtype=dtype)  # padded so shards gather evenly
         shard[: hi - lo] = head[lo:hi]
-        self.lm_head = _t(shard)
+        self.lm_head, = to_huge_pages([_t(shard)])
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [tokens] -> hidden states [tokens, hidden] after the final norm."""
-        x = F.embedding(input_ids, self.embed)
+        x, delta = F.embedding(input_ids, self.embed), None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, positions, k_cache, v_cache, meta)
-        return rms_norm(x, self.norm, self.spec.rms_norm_eps)
+            delta = layer(x, delta, positions, k_cache, v_cache, meta)
+        return add_rms_norm(x, delta, self.norm, self.spec.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

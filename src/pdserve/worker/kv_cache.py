@@ -7,35 +7,12 @@ KV transfer layer registers with NIXL and what a peer's read plan addresses.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import hashlib
-import math
 
 import torch
 
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed host tensor on 2 MiB-aligned memory advised to use transparent huge pages.
-    NIXL/UCX reads a peer's cache with process_vm_readv, which pins every page it copies: with
-    2 MiB pages instead of 4 KiB it moved 16 MiB at 8-12 GB/s instead of 4-6 GB/s here. The
-    attention gathers see fewer TLB misses too. Where huge pages are unavailable the advice is a
-    no-op and the tensor is an ordinary one."""
-    elem = torch.empty(0, dtype=dtype).element_size()
-    nbytes = math.prod(shape) * elem
-    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)  # fresh, untouched pages
-    offset = (-raw.data_ptr()) % _HUGE_PAGE
-    try:
-        ctypes.CDLL("libc.so.6").madvise(ctypes.c_void_p(raw.data_ptr() + offset),
-                                         ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
-    except OSError:
-        pass
-    tensor = raw[offset:offset + nbytes].view(dtype).view(shape)
-    tensor.zero_()
-    return tensor
+from pdserve.model.host_memory import huge_page_tensor
 
 
 @dataclasses.dataclass(frozen=True)

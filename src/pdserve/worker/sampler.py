@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.model.fused import argmax_logsumexp
 from pdserve.worker.messages import SampledToken, SamplingSpec
 
 _GREEDY_EPS = 1e-5
@@ -37,18 +38,18 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, request_ids: list[str]) -> list[SampledToken]:
         """logits: [rows, vocab] float32, one row per request id."""
-        logprobs = torch.log_softmax(logits, dim=-1)
-        tokens = logits.argmax(dim=-1).tolist()
+        greedy, lse = argmax_logsumexp(logits)  # log_softmax(x) = x - logsumexp(x)
+        tokens = greedy.tolist()
         for i, rid in enumerate(request_ids):
             spec = self.specs[rid]
             if spec.temperature >= _GREEDY_EPS:
                 tokens[i] = self._sample_row(logits[i], spec, self.generators.get(rid, self.shared))
-        token_lp = logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        token_lp = (logits.gather(1, torch.tensor(tokens)[:, None])[:, 0] - lse).tolist()
         max_n = max((self.specs[r].num_logprobs or 0) for r in request_ids)
         top = None
         if max_n:
-            values, indices = logprobs.topk(max_n, dim=-1)
-            top = (indices.tolist(), values.tolist())
+            values, indices = logits.topk(max_n, dim=-1)
+            top = (indices.tolist(), (values - lse[:, None]).tolist())
         out = []
         for i, rid in enumerate(request_ids):
             n = self.specs[rid].num_logprobs

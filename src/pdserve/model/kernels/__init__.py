@@ -2,7 +2,7 @@
 
 Every TP rank. A kernel that cannot be built (no compiler, another platform) is reported once and
 the caller falls back to its PyTorch path: native code is an acceleration, never a requirement.
-Builds are cached per source, flags and CPU (they use -march=native).
+Builds are cached per source (with the shared headers), flags and CPU (they use -march=native).
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ def load(name: str) -> ctypes.CDLL | None:
     lib = None
     source = Path(__file__).with_name(f"{name}.c")
     compiler = shutil.which("cc") or shutil.which("gcc")
-    key = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS).encode() + _cpu_tag().encode())
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(_FLAGS).encode()
+                         + _cpu_tag().encode())
     target = _CACHE / f"{name}-{key.hexdigest()[:16]}.so"
     try:
         if not target.exists():
@@ -50,8 +52,8 @@ def load(name: str) -> ctypes.CDLL | None:
             _CACHE.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=_CACHE) as tmp:
                 out = Path(tmp) / target.name
-                subprocess.run([compiler, *_FLAGS, "-o", str(out), str(source), "-lm"], check=True,
-                               capture_output=True, timeout=120)
+                command = [compiler, *_FLAGS, f"-I{source.parent}", "-o", str(out), str(source), "-lm"]
+                subprocess.run(command, check=True, capture_output=True, timeout=120)
                 os.replace(out, target)  # atomic: concurrent ranks never load a partial file
         lib = ctypes.CDLL(str(target))
     except Exception as e:  # noqa: BLE001 - fall back to PyTorch

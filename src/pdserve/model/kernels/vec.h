@@ -1,0 +1,57 @@
+/* 16-lane float vectors in portable GCC/clang vector types (AVX-512 here, narrower units
+ * elsewhere), shared by the kernels in this directory. */
+#ifndef PDSERVE_VEC_H
+#define PDSERVE_VEC_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+#if defined(__clang__)
+#define SHUF2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF2(a, b, ...) __builtin_shuffle(a, b, (i16){__VA_ARGS__})
+#endif
+
+static inline v16 loadv(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void storev(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline v16 splat(float x) { return (v16){0} + x; }
+
+static inline v16 vselect(i16 mask, v16 a, v16 b) { /* mask ? a : b, lane by lane */
+    i16 ai, bi;
+    memcpy(&ai, &a, sizeof a);
+    memcpy(&bi, &b, sizeof b);
+    ai = (ai & mask) | (bi & ~mask);
+    memcpy(&a, &ai, sizeof a);
+    return a;
+}
+static inline v16 vmax(v16 a, v16 b) { return vselect(a > b, a, b); }
+static inline v16 vmin(v16 a, v16 b) { return vselect(a < b, a, b); }
+
+static inline float hsum(v16 v) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+
+/* exp(x), x clamped to [-87, 88]: Cody-Waite reduction, degree-6 polynomial, about 1 ulp. */
+static inline v16 vexp(v16 x) {
+    x = vmin(vmax(x, splat(-87.0f)), splat(88.0f));
+    const v16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    v16 r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    v16 p = r * 1.98756915e-4f + 1.39819994e-3f;
+    p = p * r + 8.33345205e-3f;
+    p = p * r + 4.16657962e-2f;
+    p = p * r + 1.66666672e-1f;
+    p = p * r + 5.00000000e-1f;
+    p = p * r * r + r + 1.0f;
+    const i16 bits = (__builtin_convertvector(n, i16) + 127) << 23;
+    v16 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#endif

@@ -1,0 +1,71 @@
+"""The fused C ops (kernels/decoder_ops.c) against the PyTorch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.model import fused
+from pdserve.model.layers import RotaryEmbedding, rms_norm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_ops():
+    assert fused._lib() is not None, "the C ops should build here (gcc is present)"
+
+
+def _rand(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 64), (32, 512), (3, 100), (300, 512)])  # 300x512: threaded
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(rows, cols, with_delta):
+    x, delta, w = _rand(rows, cols, seed=1), _rand(rows, cols, seed=2), _rand(cols, seed=3)
+    expected_x = x + delta if with_delta else x.clone()
+    expected = rms_norm(expected_x, w, 1e-5)
+    out = fused.add_rms_norm(x, delta if with_delta else None, w, 1e-5)
+    assert torch.equal(x, expected_x)  # the residual stream was updated in place
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 200])  # 200: threaded
+@pytest.mark.parametrize("heads, kv_heads, d", [(8, 4, 64), (4, 1, 32), (2, 2, 40)])
+def test_rope_write_kv(tokens, heads, kv_heads, d):
+    rope = RotaryEmbedding(d, 512, 10000.0, None, torch.float32)
+    qkv = _rand(tokens, (heads + 2 * kv_heads) * d, seed=4)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)  # strided rows, as in the model
+    q, k, v = (t.view(tokens, -1, d) for t in (q, k, v))
+    positions = torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(5))
+    blocks, bs = 64, 16
+    slots = torch.randperm(blocks * bs, generator=torch.Generator().manual_seed(6))[:tokens]
+    slot_blocks, slot_offsets = slots // bs, slots % bs
+    exp_q, exp_k = rope(positions, q, k)
+    exp_kc, exp_vc = torch.zeros(blocks, kv_heads, bs, d), torch.zeros(blocks, kv_heads, bs, d)
+    exp_kc[slot_blocks, :, slot_offsets] = exp_k
+    exp_vc[slot_blocks, :, slot_offsets] = v
+    kc, vc = torch.zeros_like(exp_kc), torch.zeros_like(exp_vc)
+    out_q, out_k = fused.rope_write_kv(rope, positions, q, k, v, kc, vc, slot_blocks, slot_offsets)
+    torch.testing.assert_close(out_q, exp_q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out_k, exp_k, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kc, exp_kc, rtol=1e-5, atol=1e-6)
+    assert torch.equal(vc, exp_vc)
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 16), (32, 1408), (3, 37), (100, 1408)])
+def test_silu_mul(rows, inter):
+    gate_up = _rand(rows, 2 * inter, seed=7, scale=6.0)
+    gate_up[0, :4] = torch.tensor([-100.0, -88.0, 0.0, 100.0])  # the exp's clamps
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(fused.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 8192), (32, 8192), (4, 1003), (3, 7)])
+def test_argmax_logsumexp(rows, vocab):
+    logits = _rand(rows, vocab, seed=8, scale=5.0)
+    logits[0, 3] = -float("inf")
+    logits[0, vocab // 2] = logits[0, vocab - 1] = 40.0  # a tie: the first index wins, as in torch
+    tokens, lse = fused.argmax_logsumexp(logits)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
