@@ -1,17 +1,21 @@
 """KV transfer throughput through pdserve's connector (real NIXL, one process per rank).
 
-    .venv/bin/python bench/transfer.py [--model DIR] [--repeats 5]
+    .venv/bin/python bench/transfer.py [--model DIR] [--repeats 9] [--pairs 11,22,12,21]
 
 For prompts of 512 to 8,192 tokens of the `small` model, every consumer rank READs its heads from the
 producer ranks the plan names, exactly as in serving (WorkerConnector: descriptors built with numpy,
 coalesced, posted from the rank's NIXL thread; producer ranks polling every 1 ms). Reported beside a
 memcpy of the same bytes (equal TP) or an in-process gather of the same head slices (heterogeneous
-TP), measured in the same run, with descriptor counts with and without coalescing.
+TP), measured in the same run, with descriptor counts with and without coalescing. For equal TP the
+kernel path itself is measured too: UCX moves host memory between processes with one
+process_vm_readv per READ ("cma"), so the same runs read straight from the producer processes that
+way, one thread, to show how much of the gap to memcpy is the connector's.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing as mp
 import statistics
@@ -128,6 +132,34 @@ class CopyBaseline:
         return time.perf_counter() - t
 
 
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class CmaReference:
+    """process_vm_readv of the same contiguous block runs from each producer rank's process into a
+    cache in this process, one thread: the copy UCX's cma transport performs for a READ."""
+
+    def __init__(self, producers: "Ranks", dst: torch.Tensor):
+        self.producers, self.dst = producers, dst
+        self.readv = ctypes.CDLL("libc.so.6", use_errno=True).process_vm_readv
+
+    def seconds(self, local: list[int], remote: list[int]) -> float:
+        t = time.perf_counter()
+        for proc, agent in zip(self.producers.procs, self.producers.agents):
+            size = agent.block_bytes * len(remote)
+            regions = len(agent.region_addresses)
+            dst_region = self.dst.numel() * self.dst.element_size() // regions
+            local_iov = (_Iovec * regions)(*[_Iovec(self.dst.data_ptr() + i * dst_region
+                                                    + local[0] * agent.block_bytes, size)
+                                             for i in range(regions)])
+            remote_iov = (_Iovec * regions)(*[_Iovec(a + remote[0] * agent.block_bytes, size)
+                                              for a in agent.region_addresses])
+            if self.readv(proc.pid, local_iov, regions, remote_iov, regions, 0) != size * regions:
+                raise OSError(ctypes.get_errno(), "process_vm_readv")
+        return time.perf_counter() - t
+
+
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -155,6 +187,7 @@ def bench_pair(model, spec, p_tp, d_tp, repeats) -> list[dict]:
     producers = Ranks(model, "producer", p_tp, num_blocks)
     consumers = Ranks(model, "consumer", d_tp, num_blocks)
     baseline = CopyBaseline(spec, p_tp, d_tp, num_blocks)
+    cma = CmaReference(producers, baseline.dsts[0]) if p_tp == d_tp else None
     peer = PeerAgents("producer", p_tp, producers.agents)
     state = {"first": True, "seq": 0}
 
@@ -179,11 +212,23 @@ def bench_pair(model, spec, p_tp, d_tp, repeats) -> list[dict]:
                 start = (i * n) % (num_blocks - n + 1)
                 remote = list(range(start, start + n))
                 return (remote if kind == "contiguous" else remote[::-1]), remote
-            cold = [read(*blocks(i)) for i in range(repeats)]
-            cold_base = [baseline.seconds(*blocks(i)) for i in range(repeats)]
+            # READs and baseline copies alternate, so a drift in the machine's speed (it swings by
+            # 2x here) lands on both sides of each ratio.
+            use_cma = cma is not None and kind == "contiguous"
+            cold, cold_base, cold_cma = [], [], []
+            for i in range(repeats):
+                cold.append(read(*blocks(i)))
+                cold_base.append(baseline.seconds(*blocks(i)))
+                if use_cma:
+                    cold_cma.append(cma.seconds(*blocks(i)))
             local, remote = blocks(0)
-            warm = [read(local, remote) for _ in range(WARMUP + repeats)][WARMUP:]
-            warm_base = [baseline.seconds(local, remote) for _ in range(WARMUP + repeats)][WARMUP:]
+            warm, warm_base, warm_cma = [], [], []
+            for _ in range(WARMUP + repeats):
+                warm.append(read(local, remote))
+                warm_base.append(baseline.seconds(local, remote))
+                if use_cma:
+                    warm_cma.append(cma.seconds(local, remote))
+            warm, warm_base, warm_cma = warm[WARMUP:], warm_base[WARMUP:], warm_cma[WARMUP:]
             if p_tp == d_tp == 1 and kind == "contiguous":  # the bytes arrived intact
                 producers.conns[0].send(("checksum", remote))
                 consumers.conns[0].send(("checksum", local))
@@ -195,17 +240,21 @@ def bench_pair(model, spec, p_tp, d_tp, repeats) -> list[dict]:
                    "mib": round(num_bytes / 2**20, 1),
                    "baseline": "memcpy" if p_tp == d_tp else "gather",
                    "descriptors": coalesced, "descriptors_uncoalesced": plain}
-            for label, runs, base in (("cold", cold, cold_base), ("warm", warm, warm_base)):
+            for label, runs, base, raw in (("cold", cold, cold_base, cold_cma),
+                                           ("warm", warm, warm_base, warm_cma)):
                 secs = statistics.median(r[0] for r in runs)
                 base_s = statistics.median(base)
                 row[label] = {"ms": round(secs * 1e3, 3), "gbps": round(num_bytes / secs / 1e9, 2),
                               "baseline_gbps": round(num_bytes / base_s / 1e9, 2),
                               "ratio": round(base_s / secs, 2)}
+                if raw:
+                    row[label]["cma_gbps"] = round(num_bytes / statistics.median(raw) / 1e9, 2)
             rows.append(row)
             c, w = row["cold"], row["warm"]
+            raw = f" (cma {c['cma_gbps']})" if "cma_gbps" in c else ""
             print(f"P{p_tp} D{d_tp} {tokens:5} tok {kind:10} {row['mib']:6} MiB | cold {c['gbps']:5} GB/s "
-                  f"vs {row['baseline']} {c['baseline_gbps']:5} ({c['ratio']:.0%}) | warm {w['gbps']:5} GB/s "
-                  f"vs {w['baseline_gbps']:5} ({w['ratio']:.0%}) | descs {coalesced} (uncoalesced {plain})",
+                  f"vs {row['baseline']} {c['baseline_gbps']:5} ({c['ratio']:.0%}){raw} | warm {w['gbps']:5} "
+                  f"GB/s vs {w['baseline_gbps']:5} ({w['ratio']:.0%}) | descs {coalesced} (uncoalesced {plain})",
                   flush=True)
     finally:
         consumers.close()
@@ -216,7 +265,7 @@ def bench_pair(model, spec, p_tp, d_tp, repeats) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--pairs", default="11,22,12,21", help="P and D TP sizes, e.g. 11,12")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "transfer.json"))
     args = ap.parse_args()
