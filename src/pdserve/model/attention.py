@@ -35,7 +35,6 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     decode_start: int  # rows [decode_start, tokens) are single-token decodes
     decode_block_tables: torch.Tensor | None  # [decodes, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] bool (True = attend)
     decode_context_lens: torch.Tensor | None = None  # [decodes] int32
     sliding_window: int | None = None
 
@@ -79,8 +78,10 @@ def paged_attention(
             out[rows] = native(q[rows], k_cache, v_cache, meta.decode_block_tables,
                                meta.decode_context_lens, meta.sliding_window)
         else:
-            out[rows] = _decode_attention(q[rows], k_cache, v_cache, meta.decode_block_tables,
-                                          meta.decode_mask)
+            tables = meta.decode_block_tables
+            mask = build_mask(meta.decode_context_lens.long() - 1, tables.shape[1] * k_cache.shape[2],
+                              meta.sliding_window)
+            out[rows] = _decode_attention(q[rows], k_cache, v_cache, tables, mask[:, None, None, :])
     return out
 
 

@@ -6,6 +6,7 @@ laid out first, single-token decodes after them, so decodes share one batched at
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pdserve.model.attention import AttentionMetadata, PrefillSeq, build_mask
@@ -60,23 +61,20 @@ class ModelRunner:
             blocks = torch.tensor(c.block_ids[: -(-context_len // bs)], dtype=torch.long)
             seqs.append(PrefillSeq(row, n, context_len, blocks, mask))
             row += n
-        tables = mask = lens = None
+        tables = lens = None
         if decodes:
-            max_blocks = max(-(-(c.start_pos + 1) // bs) for c in decodes)
-            tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-            for i, c in enumerate(decodes):
-                n = -(-(c.start_pos + 1) // bs)
-                tables[i, :n] = torch.tensor(c.block_ids[:n])
-            positions = pos[row:]
-            mask = build_mask(positions, max_blocks * bs, self.sliding_window)[:, None, None, :]
-            lens = (positions + 1).to(torch.int32)
+            lengths = [-(-(c.start_pos + 1) // bs) for c in decodes]
+            table = np.zeros((len(decodes), max(lengths)), dtype=np.int64)
+            for i, (c, n) in enumerate(zip(decodes, lengths)):
+                table[i, :n] = c.block_ids[:n]
+            tables = torch.from_numpy(table)
+            lens = (pos[row:] + 1).to(torch.int32)
         return AttentionMetadata(
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long),
             slot_offsets=pos % bs,
             prefills=seqs,
             decode_start=row,
             decode_block_tables=tables,
-            decode_mask=mask,
             decode_context_lens=lens,
             sliding_window=self.sliding_window,
         )
