@@ -22,8 +22,8 @@ def load(name: str):
 
 
 def engine(r) -> list[str]:
-    out = [f"**Engine** (`small`: 8 layers, hidden 512, float32; {r['threads']} threads; best of 3; "
-           f"memcpy {r['memcpy_gbps']} GB/s):", "",
+    out = [f"**Engine** (`small`: 8 layers, hidden 512, float32; {r['threads']} threads; best of 3 "
+           f"alternating runs; memcpy {r['memcpy_gbps']} GB/s):", "",
            "| context (prompt + new) | batch | pdserve tok/s | transformers tok/s | ratio | bandwidth bound tok/s | of bound |",
            "|---|---|---|---|---|---|---|"]
     for context, table in r["decode"].items():
@@ -34,9 +34,10 @@ def engine(r) -> list[str]:
                        f"{d['bound_tok_s']} | {d['fraction_of_bound']:.0%} |")
     p = r["prefill_2048"]
     out += ["", f"Prefill of 2,048 tokens: {p['pdserve_tok_s']} tok/s (transformers "
-                f"{p['transformers_tok_s']}). Decode attention is a small C kernel (compiled on first "
-                "use, reads the paged KV in place); the rest of a step is mostly float32 GEMMs that "
-                "both engines run through MKL, which caps the ratio at short contexts."]
+                f"{p['transformers_tok_s']}). Decode attention and the small ops between the GEMMs "
+                "(add + RMSNorm, RoPE + KV write, SiLU × up, greedy pick + logsumexp) are C kernels "
+                "compiled on first use; what remains of a step is mostly float32 GEMMs through MKL. "
+                "The machine's speed swings between runs; each ratio is from one run."]
     return out
 
 
@@ -44,15 +45,17 @@ def transfer(rows) -> list[str]:
     out = ["**KV transfer** through the connector (`small`: 16 KiB of KV per token). \"Cold\" reads "
            "new blocks each time, as serving does; \"warm\" repeats the same blocks. Baseline: a "
            "one-thread copy of the same pieces between caches allocated the same way (memcpy for "
-           "equal TP, gather of the head slices otherwise):", "",
-           "| P TP → D TP | tokens | MiB | cold GB/s (of baseline) | warm GB/s (of baseline) | descriptors (uncoalesced) |",
-           "|---|---|---|---|---|---|"]
+           "equal TP, gather of the head slices otherwise). \"cma\": the same bytes read with one "
+           "process_vm_readv per producer rank, the kernel copy UCX uses here:", "",
+           "| P TP → D TP | tokens | MiB | cold GB/s (of baseline) | cold cma GB/s | warm GB/s (of baseline) | descriptors (uncoalesced) |",
+           "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["blocks"] == "contiguous" and r["tokens"] not in (1024, 2048, 8192) and r["p_tp"] != r["d_tp"]:
             continue
         tag = "" if r["blocks"] == "contiguous" else " (fragmented)"
         out.append(f"| {r['p_tp']} → {r['d_tp']} | {r['tokens']}{tag} | {r['mib']} | "
                    f"{r['cold']['gbps']} ({r['cold']['ratio']:.0%} of {r['baseline']}) | "
+                   f"{r['cold'].get('cma_gbps', '–')} | "
                    f"{r['warm']['gbps']} ({r['warm']['ratio']:.0%}) | "
                    f"{r['descriptors']} ({r['descriptors_uncoalesced']}) |")
     return out
