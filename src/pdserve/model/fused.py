@@ -37,7 +37,7 @@ def _lib() -> ctypes.CDLL | None:
 
 def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The library when every tensor is float32 on CPU, else None."""
-    if all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
+    if all(t.dtype is torch.float32 and t.is_cpu for t in tensors):
         return _lib()
     return None
 
