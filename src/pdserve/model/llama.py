@@ -14,18 +14,12 @@ import torch.nn.functional as F
 
 from pdserve.model.attention import AttentionMetadata, paged_attention
 from pdserve.model.fused import add_rms_norm, rope_write_kv, silu_mul
-from pdserve.model.host_memory import to_huge_pages
 from pdserve.model.layers import RotaryEmbedding, rms_norm
+from pdserve.model.linear import Linear
 from pdserve.model.parallel import TPGroup, check_tp_size, kv_head_range, shard_range
 from pdserve.model.spec import ModelSpec
 
 WeightGetter = Callable[[str], torch.Tensor]
-
-
-def _t(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> contiguous [in, out]: `x @ w` on this layout is faster on CPU for decode-sized
-    batches than `F.linear` on the original (measured 12.1 vs 15.8 ms for 8 small-model layers at 32 rows)."""
-    return weight.t().contiguous()
 
 
 class DecoderLayer:
@@ -44,7 +38,7 @@ class DecoderLayer:
             return get(f"{prefix}.{name}").to(dtype)
 
         attn = "self_attn"
-        self.qkv_weight = _t(torch.cat([
+        self.qkv_proj = Linear(torch.cat([
             w(f"{attn}.q_proj.weight")[q_rows],
             w(f"{attn}.k_proj.weight")[kv_rows],
             w(f"{attn}.v_proj.weight")[kv_rows],
@@ -56,17 +50,15 @@ class DecoderLayer:
                 w(f"{attn}.k_proj.bias")[kv_rows],
                 w(f"{attn}.v_proj.bias")[kv_rows],
             ]).contiguous()
-        self.o_weight = _t(w(f"{attn}.o_proj.weight")[:, q_rows])
+        self.o_proj = Linear(w(f"{attn}.o_proj.weight")[:, q_rows])
         if spec.qk_norm:
             self.q_norm = w(f"{attn}.q_norm.weight")
             self.k_norm = w(f"{attn}.k_norm.weight")
         lo, hi = shard_range(spec.intermediate_size, tp.rank, tp.size)
-        self.gate_up_weight = _t(torch.cat([
+        self.gate_up_proj = Linear(torch.cat([
             w("mlp.gate_proj.weight")[lo:hi], w("mlp.up_proj.weight")[lo:hi],
         ]))
-        self.down_weight = _t(w("mlp.down_proj.weight")[:, lo:hi])
-        self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight = to_huge_pages(
-            [self.qkv_weight, self.o_weight, self.gate_up_weight, self.down_weight])
+        self.down_proj = Linear(w("mlp.down_proj.weight")[:, lo:hi])
         self.input_norm = w("input_layernorm.weight")
         self.post_attn_norm = w("post_attention_layernorm.weight")
 
@@ -77,11 +69,11 @@ class DecoderLayer:
         eps = self.spec.rms_norm_eps
         h = add_rms_norm(x, delta, self.input_norm, eps)
         h = add_rms_norm(x, self._attention(h, positions, k_cache, v_cache, meta), self.post_attn_norm, eps)
-        return self.tp.all_reduce(silu_mul(h @ self.gate_up_weight) @ self.down_weight)
+        return self.tp.all_reduce(self.down_proj(silu_mul(self.gate_up_proj(h))))
 
     def _attention(self, x, positions, k_cache, v_cache, meta):
         d, num_tokens = self.spec.head_dim, x.shape[0]
-        qkv = x @ self.qkv_weight
+        qkv = self.qkv_proj(x)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
@@ -94,7 +86,7 @@ class DecoderLayer:
         q, k = rope_write_kv(self.rope, positions, q, k, v, k_cache, v_cache, meta.slot_blocks,
                              meta.slot_offsets)
         o = paged_attention(q, k, v, k_cache, v_cache, meta)
-        return self.tp.all_reduce(o.reshape(num_tokens, -1) @ self.o_weight)
+        return self.tp.all_reduce(self.o_proj(o.reshape(num_tokens, -1)))
 
 
 class CausalLM:
@@ -114,7 +106,7 @@ class CausalLM:
         per_rank = -(-spec.vocab_size // tp.size)
         shard = torch.zeros(per_rank, spec.hidden_size, dtype=dtype)  # padded so shards gather evenly
         shard[: hi - lo] = head[lo:hi]
-        self.lm_head, = to_huge_pages([_t(shard)])
+        self.lm_head = Linear(shard)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -129,7 +121,7 @@ class CausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, hidden] -> float32 logits [rows, vocab] on rank 0, None elsewhere."""
-        logits = self.tp.gather_to_first(hidden @ self.lm_head)
+        logits = self.tp.gather_to_first(self.lm_head(hidden))
         if logits is None:
             return None
         return logits[:, : self.spec.vocab_size].float()

@@ -1,0 +1,28 @@
+"""Linear: MKL-packed weights give a plain matmul's answer for every row count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.model.linear import Linear, mkl_packing
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32, 100, 2048])
+@pytest.mark.parametrize("out_features, in_features", [(1024, 512), (512, 1408), (37, 20)])
+def test_packed_matches_matmul(rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=g) / in_features ** 0.5
+    x = torch.randn(rows, in_features, generator=g)
+    lin = Linear(weight)
+    assert lin.packed == mkl_packing()
+    assert mkl_packing(), "x86 torch builds have MKL: the packed path should be the one tested here"
+    torch.testing.assert_close(lin(x), x @ weight.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_keeps_a_dense_weight():
+    weight = torch.randn(64, 32).bfloat16()
+    lin = Linear(weight)
+    assert not lin.packed
+    x = torch.randn(3, 32).bfloat16()
+    torch.testing.assert_close(lin(x), x @ weight.t())
