@@ -1,10 +1,10 @@
-"""Host memory on 2 MiB transparent huge pages, for the KV cache and the weights.
+"""Host memory on 2 MiB transparent huge pages, for the KV cache and for dense weights.
 
-Every TP rank, at start. A decode step streams every weight and the batch's KV once; on 4 KiB pages
-that is a TLB miss every 4 KiB (`small` model, batch 32: 28.6 vs 30.2 ms per step in one A/B, within
-this machine's noise in another). NIXL/UCX reads a peer's cache with process_vm_readv, which pins
-every page it copies: with 2 MiB pages it moved 16 MiB at 8-12 GB/s instead of 4-6 GB/s.
-Where huge pages are unavailable the advice is a no-op and the memory is ordinary.
+Every TP rank, at start. NIXL/UCX reads a peer's cache with process_vm_readv, which pins every page
+it copies: with 2 MiB pages it moved 16 MiB at 8-12 GB/s instead of 4-6 GB/s. A decode step streams
+the batch's KV and every weight once; on 4 KiB pages that is a TLB miss every 4 KiB. (Weights that
+linear.py packs for MKL live in MKL's own buffers instead.) Where huge pages are unavailable the
+advice is a no-op and the memory is ordinary.
 """
 
 from __future__ import annotations
