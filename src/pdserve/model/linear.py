@@ -3,8 +3,10 @@
 Every TP rank, for every projection of every layer and the LM head. On torch builds with MKL (x86),
 the weight is packed once into MKL's GEMM format and each call runs cblas_sgemm_compute on it: with
 a plain `x @ w` MKL re-packs the weight on every call, which `perf` showed as 21 % of a batch-32
-decode step's CPU time; packed, decode ran 9 % faster at batch 32, 21 % at batch 8 and the same at
-batch 1 (`small` model, engines alternating in one process). Elsewhere (bfloat16, no MKL) the weight
+decode step's CPU time. Packed for 128 rows, decode ran 9 % faster at batch 32 and 23 % at batch 8,
+batch 1 and prefills of 128 to 2,048 tokens within the noise (+-5 %) or faster, at 1 and 2 threads
+(`small` model, both paths alternating in one process; packed for 32 rows, prefill of 128 tokens
+on one thread was 30 % slower). Elsewhere (bfloat16, no MKL) the weight
 is a contiguous [in, out] tensor on huge pages, which `x @ w` reads faster than the [out, in]
 layout of `F.linear` (12.1 vs 15.8 ms for 8 small-model layers at 32 rows).
 """
@@ -17,7 +19,7 @@ import torch
 
 from pdserve.model.host_memory import to_huge_pages
 
-_PACK_ROWS = 32  # MKL tunes its packing for this many rows; every row count computes correctly
+_PACK_ROWS = 128  # MKL tunes its packing for this many rows; every row count computes correctly
 
 
 @functools.lru_cache(maxsize=1)
