@@ -36,7 +36,8 @@ def engine(r) -> list[str]:
     out += ["", f"Prefill of 2,048 tokens: {p['pdserve_tok_s']} tok/s (transformers "
                 f"{p['transformers_tok_s']}). Decode attention and the small ops between the GEMMs "
                 "(add + RMSNorm, RoPE + KV write, SiLU × up, greedy pick + logsumexp) are C kernels "
-                "compiled on first use; what remains of a step is mostly float32 GEMMs through MKL. "
+                "compiled on first use, and weights are packed once in MKL's GEMM format; what "
+                "remains of a step is mostly those float32 GEMMs. "
                 "The machine's speed swings between runs; each ratio is from one run."]
     return out
 
