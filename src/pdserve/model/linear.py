@@ -25,17 +25,25 @@ _PACK_ROWS = 128  # MKL tunes its packing for this many rows; every row count co
 @functools.lru_cache(maxsize=1)
 def mkl_packing() -> bool:
     """True when this torch has MKL's packed GEMM and it computes a row count other than the one it
-    was packed for exactly as a plain matmul does (checked once, on a small matrix)."""
+    was packed for, given only the weight's shape, as a plain matmul does (checked once, on a small
+    matrix)."""
     try:
         if not torch.backends.mkl.is_available():
             return False
         g = torch.Generator().manual_seed(0)
         w, x = torch.randn(48, 40, generator=g), torch.randn(5, 40, generator=g)
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w, _PACK_ROWS)
-        y = torch.ops.mkl._mkl_linear(x, packed, w, None, x.shape[0])
+        y = torch.ops.mkl._mkl_linear(x, packed, _shape_only(w), None, x.shape[0])
         return bool(torch.allclose(y, x @ w.t(), rtol=1e-5, atol=1e-5))
     except (AttributeError, RuntimeError):
         return False
+
+
+def _shape_only(weight: torch.Tensor) -> torch.Tensor:
+    """A stand-in for the dense weight `_mkl_linear` also takes: it reads only its shape when the
+    row count it is given matches the input's, which every call here guarantees (the self-check
+    above runs this way too), so no second copy of the weight is kept."""
+    return torch.empty(1, dtype=weight.dtype).expand(weight.shape)
 
 
 class Linear:
@@ -45,9 +53,7 @@ class Linear:
         self._packed = self._shape = self._dense = None
         if weight.dtype == torch.float32 and weight.device.type == "cpu" and mkl_packing():
             self._packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), _PACK_ROWS)
-            # _mkl_linear reads only the shape of its dense weight when the row count it is given
-            # matches the input's, which __call__ guarantees: no second copy of the weight is kept.
-            self._shape = torch.empty(1).expand(weight.shape)
+            self._shape = _shape_only(weight)
         else:
             self._dense, = to_huge_pages([weight.t()])
 
