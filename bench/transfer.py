@@ -46,7 +46,7 @@ def layout_for(spec: ModelSpec, tp: int, num_blocks: int) -> CacheLayout:
                        BLOCK, spec.head_dim, 4)
 
 
-def rank_main(conn, model: str, role: str, rank: int, tp: int, num_blocks: int) -> None:
+def rank_main(conn, model: str, role: str, rank: int, tp: int, num_blocks: int, lanes: int) -> None:
     """One rank: a KV cache and a WorkerConnector, driven over a pipe."""
     from pdserve.kv_transfer.worker_side import WorkerConnector
     from pdserve.worker.worker import GIL_SWITCH_INTERVAL_S
@@ -56,7 +56,8 @@ def rank_main(conn, model: str, role: str, rank: int, tp: int, num_blocks: int) 
     cache = KVCache(layout_for(spec, tp, num_blocks), torch.float32)
     if role == "producer":
         cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=torch.Generator().manual_seed(rank)))
-    connector = WorkerConnector(KVTransferConfig(transfer_timeout_s=60), spec, rank, tp, cache, role)
+    config = KVTransferConfig(transfer_timeout_s=60, copy_lanes=lanes)
+    connector = WorkerConnector(config, spec, rank, tp, cache, role)
     if role == "producer":  # holds "leased" blocks: poll NIXL every 1 ms, as a serving producer does
         connector.start_step(ConnectorMetadata(role, poll_notifications=True))
     conn.send(connector.rank_agent())
@@ -79,12 +80,13 @@ def rank_main(conn, model: str, role: str, rank: int, tp: int, num_blocks: int) 
 
 
 class Ranks:
-    def __init__(self, model: str, role: str, tp: int, num_blocks: int):
+    def __init__(self, model: str, role: str, tp: int, num_blocks: int, lanes: int = 1):
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for r in range(tp):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=rank_main, args=(child, model, role, r, tp, num_blocks), daemon=True)
+            p = ctx.Process(target=rank_main, args=(child, model, role, r, tp, num_blocks, lanes),
+                            daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
@@ -182,10 +184,10 @@ def descriptor_counts(spec, producers: Ranks, consumers: Ranks, p_tp, d_tp, loca
 WARMUP = 8  # reads of the same blocks before the "warm" figure (it settles after ~8 here)
 
 
-def bench_pair(model, spec, p_tp, d_tp, repeats) -> list[dict]:
+def bench_pair(model, spec, p_tp, d_tp, repeats, lanes) -> list[dict]:
     num_blocks = max(TOKENS) // BLOCK + 8
     producers = Ranks(model, "producer", p_tp, num_blocks)
-    consumers = Ranks(model, "consumer", d_tp, num_blocks)
+    consumers = Ranks(model, "consumer", d_tp, num_blocks, lanes)
     baseline = CopyBaseline(spec, p_tp, d_tp, num_blocks)
     cma = CmaReference(producers, baseline.dsts[0]) if p_tp == d_tp else None
     peer = PeerAgents("producer", p_tp, producers.agents)
@@ -236,7 +238,7 @@ def bench_pair(model, spec, p_tp, d_tp, repeats) -> list[dict]:
             _, num_bytes, descs = warm[0]
             coalesced, plain = descriptor_counts(spec, producers, consumers, p_tp, d_tp, local, remote)
             assert coalesced == descs
-            row = {"p_tp": p_tp, "d_tp": d_tp, "tokens": tokens, "blocks": kind,
+            row = {"p_tp": p_tp, "d_tp": d_tp, "copy_lanes": lanes, "tokens": tokens, "blocks": kind,
                    "mib": round(num_bytes / 2**20, 1),
                    "baseline": "memcpy" if p_tp == d_tp else "gather",
                    "descriptors": coalesced, "descriptors_uncoalesced": plain}
@@ -267,6 +269,7 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--pairs", default="11,22,12,21", help="P and D TP sizes, e.g. 11,12")
+    ap.add_argument("--copy-lanes", type=int, default=2, help="copy threads per consumer rank")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "transfer.json"))
     args = ap.parse_args()
     model = ensure_model(args.model)
@@ -274,7 +277,7 @@ def main() -> int:
     torch.set_num_threads(1)
     rows = []
     for p_tp, d_tp in [(int(p[0]), int(p[1])) for p in args.pairs.split(",")]:
-        rows += bench_pair(model, spec, p_tp, d_tp, args.repeats)
+        rows += bench_pair(model, spec, p_tp, d_tp, args.repeats, args.copy_lanes)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
     big = [r for r in rows if r["p_tp"] == r["d_tp"] and r["mib"] >= 16 and r["blocks"] == "contiguous"]

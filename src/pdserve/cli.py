@@ -78,6 +78,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-handshake-timeout-s", type=float, default=10.0)
     p.add_argument("--kv-transfer-timeout-s", type=float, default=30.0)
     p.add_argument("--kv-load-failure-policy", default="fail", choices=["fail", "recompute"])
+    p.add_argument("--kv-copy-lanes", type=int, default=1,
+                   help="copy threads per decode rank for READs of 1 MiB or more (on host memory each "
+                        "copies at one core's speed; more than the rank's cores does not help)")
 
 
 def parse_cpus(spec: str | None) -> tuple[int, ...]:
@@ -99,7 +102,7 @@ def engine_config(args) -> EngineConfig:
             advertised_host=args.advertised_host, lease_s=args.kv_lease_s,
             handshake_timeout_s=args.kv_handshake_timeout_s,
             transfer_timeout_s=args.kv_transfer_timeout_s,
-            failure_policy=args.kv_load_failure_policy,
+            failure_policy=args.kv_load_failure_policy, copy_lanes=args.kv_copy_lanes,
             secret=secret.encode() if secret else None)
     cpus = parse_cpus(args.cpus)
     tp = args.tensor_parallel_size

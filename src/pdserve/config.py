@@ -79,8 +79,10 @@ class KVTransferConfig:
     failure_policy: str = "fail"
     secret: bytes | None = None  # HMAC key of the side channel
     backend: str = "UCX"
+    copy_lanes: int = 1  # NIXL agents (one thread each) a consumer rank splits large READs across
 
     def __post_init__(self):
+        _check(self.copy_lanes >= 1, "kv_copy_lanes", f"must be at least 1, got {self.copy_lanes}")
         _check(self.failure_policy in FAILURE_POLICIES, "kv_load_failure_policy",
                f"must be one of {FAILURE_POLICIES}, got {self.failure_policy!r}")
         for name in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):

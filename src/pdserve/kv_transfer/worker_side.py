@@ -20,6 +20,7 @@ import numpy as np
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.descriptors import RegionTable, build_descriptors
+from pdserve.kv_transfer.lanes import CopyLane, LanePart, lane_shares
 from pdserve.kv_transfer.messages import (ConnectorMetadata, ConnectorReport, Notification,
                                           NotificationKind, PeerAgents, RankAgent, ReadDone,
                                           ReadFailure, ReadSpec, ReceivedNotification)
@@ -45,6 +46,8 @@ class _InFlight:
     num_descriptors: int
     failed: str | None = None
     peer_gone: bool = False
+    lane_parts: list[LanePart] = dataclasses.field(default_factory=list)
+    notes: list[tuple[str, bytes]] = dataclasses.field(default_factory=list)  # sent once all parts land
 
 
 class WorkerConnector:
@@ -62,6 +65,9 @@ class WorkerConnector:
         self._rank_agent = RankAgent(rank, self.agent.name, self.agent.metadata(),
                                      list(self.local.region_addresses), layout.num_blocks,
                                      layout.num_kv_heads, layout.block_bytes, layout.head_bytes)
+        self._lanes = [CopyLane(f"{engine_id}/rank{rank}/lane{i}", config.backend,
+                                kv_cache.base_address, layout.total_bytes, str(kv_cache.buffer.device))
+                       for i in range(1, config.copy_lanes)]
         self._inbox: queue.SimpleQueue[ConnectorMetadata | None] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -96,6 +102,8 @@ class WorkerConnector:
         self._inbox.put(None)
         self._wake.set()
         self._thread.join(timeout=5)
+        for lane in self._lanes:
+            lane.close()
         self.agent.close()
 
     # --- the NIXL thread --------------------------------------------------------------------------
@@ -156,6 +164,8 @@ class WorkerConnector:
             if ra.rank not in needed:
                 continue  # another of our ranks reads from it
             name = self.agent.add_peer(ra.agent_metadata)
+            for lane in self._lanes:
+                lane.add_peer(ra.agent_metadata)
             ranks[ra.rank] = (name, RegionTable(tuple(ra.region_addresses), ra.block_bytes,
                                                 ra.head_bytes, ra.num_kv_heads, ra.num_blocks))
         self._peers[peer.engine_id] = (peer.tp_size, ranks)
@@ -168,6 +178,8 @@ class WorkerConnector:
             _, ranks = self._peers.pop(engine_id, (0, {}))
             for name, _ in ranks.values():
                 self.agent.remove_peer(name)
+                for lane in self._lanes:
+                    lane.remove_peer(name)
 
     def _post(self, spec: ReadSpec) -> None:
         now = time.monotonic()
@@ -190,17 +202,27 @@ class WorkerConnector:
         for p_rank, parts in by_rank.items():
             local = np.concatenate([l for l, _ in parts])
             remote = np.concatenate([r for _, r in parts])
-            note = Notification(spec.remote_request_id, self._consumer_engine_id, self.rank,
-                                self.tp_size, NotificationKind.DONE)
+            peer = ranks[p_rank][0]
+            note = _notification_encoder.encode(Notification(
+                spec.remote_request_id, self._consumer_engine_id, self.rank, self.tp_size,
+                NotificationKind.DONE))
+            read.num_bytes += int(local[:, 1].sum())
+            read.num_descriptors += len(local)
+            shares = lane_shares(local[:, 1], 1 + len(self._lanes))
+            if len(shares) > 1:  # lanes copy the other shares; the producer hears once all land
+                for lane, (lo, hi) in zip(self._lanes, shares[1:]):
+                    read.lane_parts.append(lane.read(peer, local[lo:hi], remote[lo:hi],
+                                                     now + spec.timeout_s))
+                lo, hi = shares[0]
+                local, remote = local[lo:hi], remote[lo:hi]
+                read.notes.append((peer, note))
+                note = b""
             try:
-                handle = self.agent.read(ranks[p_rank][0], local, remote,
-                                         _notification_encoder.encode(note))
+                handle = self.agent.read(peer, local, remote, note)
             except Exception as e:  # noqa: BLE001 - READs already posted stay tracked until they end
                 read.failed, read.peer_gone = str(e), isinstance(e, TransferError)
                 break
             read.handles.append(handle)
-            read.num_bytes += int(local[:, 1].sum())
-            read.num_descriptors += len(local)
         self._inflight.append(read)
         self._progress()
 
@@ -211,17 +233,24 @@ class WorkerConnector:
             states = [self.agent.state(h) for h in read.handles]
             if "ERR" in states and read.failed is None:
                 read.failed, read.peer_gone = "the producer went away or the READ failed", True
+            for part in read.lane_parts:
+                if part.done.is_set() and part.error and read.failed is None:
+                    read.failed, read.peer_gone = part.error, part.peer_gone
+            busy = "PROC" in states or not all(p.done.is_set() for p in read.lane_parts)
             timed_out = now - read.started > read.spec.timeout_s
-            if "PROC" in states and not timed_out:
+            if busy and not timed_out:
                 still.append(read)
                 continue
             for h in read.handles:
                 self.agent.release(h)
-            if timed_out and "PROC" in states:
+            if timed_out and busy:
                 self._fail(read.spec, f"READ timed out after {read.spec.timeout_s:g} s",
                            peer_gone=True, in_doubt=True)
             elif read.failed:
                 self._fail(read.spec, read.failed, peer_gone=read.peer_gone)
+            elif not self._notify(read):
+                self._fail(read.spec, "the READ landed but the producer could not be told",
+                           peer_gone=True, in_doubt=True)
             else:
                 with self._lock:
                     self._report.done.append(ReadDone(read.spec.request_id, read.num_bytes,
@@ -229,6 +258,17 @@ class WorkerConnector:
         self._inflight = still
         if self._evicting:
             self._drop_evicted()
+
+    def _notify(self, read: _InFlight) -> bool:
+        """Tell the producer(s) a READ split across lanes has fully landed."""
+        try:
+            for peer, note in read.notes:
+                self.agent.notify(peer, note)
+        except Exception as e:  # noqa: BLE001 - reported as a failed READ
+            logger.warning("rank %d: DONE notification for %s failed: %s", self.rank,
+                           read.spec.request_id, e)
+            return False
+        return True
 
     def _fail(self, spec: ReadSpec, reason: str, peer_gone: bool = False, in_doubt: bool = False) -> None:
         with self._lock:
