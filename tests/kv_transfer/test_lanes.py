@@ -30,6 +30,7 @@ def test_shares(sizes, lanes, expected):
 def test_a_lane_reports_a_read_it_cannot_post():
     """A part whose READ cannot even be created ends at once with an error (the rank's NIXL thread
     then fails the whole READ); the lane stays usable and closes cleanly."""
+    import threading
     import time
 
     import torch
@@ -41,8 +42,9 @@ def test_a_lane_reports_a_read_it_cannot_post():
     try:
         descs = np.array([[buf.data_ptr(), 4096, 0]], dtype=np.uint64)
         for _ in range(2):
-            part = lane.read("no-such-peer", descs, descs, time.monotonic() + 5)
-            assert part.done.wait(5)
+            wake = threading.Event()
+            part = lane.read("no-such-peer", descs, descs, time.monotonic() + 5, wake)
+            assert part.done.wait(5) and wake.is_set()
             assert part.error and part.peer_gone
     finally:
         lane.close()

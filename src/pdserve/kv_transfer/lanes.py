@@ -44,9 +44,15 @@ class LanePart:
     """One lane's share of a READ; `done` is set once its handle is released."""
 
     deadline: float
+    wake: threading.Event
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: str | None = None
     peer_gone: bool = False
+
+    def finish(self, error: str | None = None, peer_gone: bool = False) -> None:
+        self.error, self.peer_gone = error, peer_gone
+        self.done.set()
+        self.wake.set()
 
 
 class CopyLane:
@@ -63,8 +69,11 @@ class CopyLane:
     def remove_peer(self, name: str) -> None:
         self._jobs.put(("remove", name))
 
-    def read(self, peer: str, local: np.ndarray, remote: np.ndarray, deadline: float) -> LanePart:
-        part = LanePart(deadline)
+    def read(self, peer: str, local: np.ndarray, remote: np.ndarray, deadline: float,
+             wake: threading.Event) -> LanePart:
+        """Queue a READ of `remote` into `local`; `wake` is set when it ends (the rank's NIXL thread
+        sleeps on it)."""
+        part = LanePart(deadline, wake)
         self._jobs.put(("read", peer, local, remote, part))
         return part
 
@@ -88,23 +97,19 @@ class CopyLane:
             except Exception:  # noqa: BLE001 - the lane must outlive one bad job
                 logger.exception("copy lane %s: %s failed", self.agent.name, job[0])
                 if job[0] == "read" and not job[-1].done.is_set():
-                    job[-1].error = "the copy lane failed"
-                    job[-1].done.set()
+                    job[-1].finish("the copy lane failed")
 
     def _read(self, peer: str, local: np.ndarray, remote: np.ndarray, part: LanePart) -> None:
         try:
             handle = self.agent.read(peer, local, remote, b"")
         except Exception as e:  # noqa: BLE001 - reported to the rank's NIXL thread
-            part.error, part.peer_gone = str(e), True
-            part.done.set()
-            return
+            return part.finish(str(e), peer_gone=True)
         state = self.agent.state(handle)
         while state == "PROC" and time.monotonic() < part.deadline:
             time.sleep(POLL_S)
             state = self.agent.state(handle)
         self.agent.release(handle)
         if state == "ERR":
-            part.error, part.peer_gone = "the producer went away or the READ failed", True
-        elif state == "PROC":
-            part.error = "the READ timed out"
-        part.done.set()
+            part.finish("the producer went away or the READ failed", peer_gone=True)
+        else:
+            part.finish("the READ timed out" if state == "PROC" else None)

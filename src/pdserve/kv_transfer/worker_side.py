@@ -212,7 +212,7 @@ class WorkerConnector:
             if len(shares) > 1:  # lanes copy the other shares; the producer hears once all land
                 for lane, (lo, hi) in zip(self._lanes, shares[1:]):
                     read.lane_parts.append(lane.read(peer, local[lo:hi], remote[lo:hi],
-                                                     now + spec.timeout_s))
+                                                     now + spec.timeout_s, self._wake))
                 lo, hi = shares[0]
                 local, remote = local[lo:hi], remote[lo:hi]
                 read.notes.append((peer, note))
