@@ -43,7 +43,9 @@ def engine(r) -> list[str]:
 
 
 def transfer(rows) -> list[str]:
-    out = ["**KV transfer** through the connector (`small`: 16 KiB of KV per token). \"Cold\" reads "
+    lanes = rows[0].get("copy_lanes", 1) if rows else 1
+    out = [f"**KV transfer** through the connector (`small`: 16 KiB of KV per token; {lanes} copy lane(s) "
+           "per consumer rank, `--kv-copy-lanes`). \"Cold\" reads "
            "new blocks each time, as serving does; \"warm\" repeats the same blocks. Baseline: a "
            "one-thread copy of the same pieces between caches allocated the same way (memcpy for "
            "equal TP, gather of the head slices otherwise). \"cma\": the same bytes read with one "
