@@ -24,6 +24,35 @@ def laned(tiny_model, tmp_path_factory):
     dep.stop()
 
 
+@pytest.fixture(scope="module")
+def laned_hetero(models_dir, tmp_path_factory):
+    """P TP 2 -> D TP 1 on a 4-KV-head model (2 KiB of KV per token, 1 KiB from each producer rank):
+    the decode rank splits its READ from each producer rank across its lanes."""
+    from pdserve.model.tiny import make_model
+    model = str(make_model(models_dir / "tiny-kv4", "tiny", num_kv_heads=4, seed=2))
+    dep = start_deployment(model, 2, 1, tmp_path_factory.mktemp("lanes-hetero"),
+                           extra=["--kv-copy-lanes", "2", "--kv-lease-s", "60"])
+    dep.model = model
+    yield dep
+    dep.stop()
+
+
+def test_split_reads_from_two_producer_ranks(laned_hetero):
+    rng = random.Random(6)
+    ids = [1] + [rng.randrange(7, 1000) for _ in range(1199)]
+    code, body = post_json(laned_hetero.proxy.url + "/v1/completions",
+                           {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
+                            "return_token_ids": True})
+    assert code == 200, body
+    assert_greedy_match(body["choices"][0]["token_ids"], hf_reference(laned_hetero.model, ids, MAX_TOKENS),
+                        "lanes P2D1 len1200")
+    for inst in laned_hetero.instances:
+        s = wait_idle(inst, timeout_s=20)
+        assert s["num_free_blocks"] == s["num_blocks"], (inst.role, s)
+    kv = stats(laned_hetero.prefill[0])["kv_transfer"]
+    assert kv["leases_active"] == 0 and kv["counters"]["kv_leases_expired"] == 0
+
+
 def test_split_reads_give_colocated_answers(laned):
     rng = random.Random(5)
     # tiny: 1 KiB of KV per token, so 1,200 tokens is a 1.2 MiB READ (split) and 30 tokens is not
