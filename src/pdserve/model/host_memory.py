@@ -16,11 +16,11 @@ import torch
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
-_ALIGN = 64  # bytes: a cache line, so every packed tensor starts on one
 
 
-def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed host tensor on 2 MiB-aligned memory advised to use transparent huge pages."""
+def _huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor on 2 MiB-aligned, untouched memory advised to use huge pages
+    (its pages are faulted in, as huge pages, by whatever writes it first)."""
     elem = torch.empty(0, dtype=dtype).element_size()
     nbytes = math.prod(shape) * elem
     raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)  # fresh, untouched pages
@@ -30,21 +30,14 @@ def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
                                          ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
     except OSError:
         pass
-    tensor = raw[offset:offset + nbytes].view(dtype).view(shape)
-    tensor.zero_()
-    return tensor
+    return raw[offset:offset + nbytes].view(dtype).view(shape)
 
 
-def to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Contiguous copies of same-dtype CPU tensors, packed into one huge-page allocation."""
-    dtype = tensors[0].dtype
-    elem = torch.empty(0, dtype=dtype).element_size()
-    sizes = [-(-t.numel() * elem // _ALIGN) * _ALIGN // elem for t in tensors]
-    arena = huge_page_tensor((sum(sizes),), dtype)
-    out, start = [], 0
-    for t, size in zip(tensors, sizes):
-        view = arena[start:start + t.numel()].view(t.shape)
-        view.copy_(t)
-        out.append(view)
-        start += size
-    return out
+def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor on huge pages."""
+    return _huge_page_empty(shape, dtype).zero_()
+
+
+def huge_page_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a CPU tensor on huge pages."""
+    return _huge_page_empty(tuple(tensor.shape), tensor.dtype).copy_(tensor)

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from pdserve.model.host_memory import to_huge_pages
+from pdserve.model.host_memory import huge_page_copy
 
 _PACK_ROWS = 128  # MKL tunes its packing for this many rows; every row count computes correctly
 
@@ -55,7 +55,7 @@ class Linear:
             self._packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), _PACK_ROWS)
             self._shape = _shape_only(weight)
         else:
-            self._dense, = to_huge_pages([weight.t()])
+            self._dense = huge_page_copy(weight.t())
 
     @property
     def packed(self) -> bool:
