@@ -48,8 +48,7 @@ def layout_for(spec: ModelSpec, tp: int, num_blocks: int) -> CacheLayout:
 
 def rank_main(conn, model: str, role: str, rank: int, tp: int, num_blocks: int, lanes: int) -> None:
     """One rank: a KV cache and a WorkerConnector, driven over a pipe."""
-    from pdserve.kv_transfer.worker_side import WorkerConnector
-    from pdserve.worker.worker import GIL_SWITCH_INTERVAL_S
+    from pdserve.worker.worker import GIL_SWITCH_INTERVAL_S, kv_connector
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as in a serving rank
     torch.set_num_threads(1)
     spec = ModelSpec.from_dir(model)
@@ -57,7 +56,7 @@ def rank_main(conn, model: str, role: str, rank: int, tp: int, num_blocks: int, 
     if role == "producer":
         cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=torch.Generator().manual_seed(rank)))
     config = KVTransferConfig(transfer_timeout_s=60, copy_lanes=lanes)
-    connector = WorkerConnector(config, spec, rank, tp, cache, role)
+    connector = kv_connector(config, spec, rank, tp, cache, role)
     if role == "producer":  # holds "leased" blocks: poll NIXL every 1 ms, as a serving producer does
         connector.start_step(ConnectorMetadata(role, poll_notifications=True))
     conn.send(connector.rank_agent())
@@ -195,7 +194,7 @@ def bench_pair(model, spec, p_tp, d_tp, repeats, lanes) -> list[dict]:
 
     def read(local, remote):
         state["seq"] += 1
-        spec_read = ReadSpec(f"r{state['seq']}", "producer", "p", remote, local, p_tp,
+        spec_read = ReadSpec(f"r{state['seq']}", "producer", "p", remote, local,
                              time.monotonic() + 60, 60.0)
         meta = ConnectorMetadata("consumer", load_peers=[peer] if state["first"] else [], reads=[spec_read])
         state["first"] = False

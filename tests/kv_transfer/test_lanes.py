@@ -36,9 +36,10 @@ def test_a_lane_reports_a_read_it_cannot_post():
     import torch
 
     from pdserve.kv_transfer.lanes import CopyLane
+    from pdserve.transport.nixl_agent import NixlAgent
 
     buf = torch.zeros(1 << 20, dtype=torch.uint8)
-    lane = CopyLane("test-lane", "UCX", buf.data_ptr(), buf.numel(), "cpu")
+    lane = CopyLane(NixlAgent("test-lane"), buf.data_ptr(), buf.numel(), "cpu")
     try:
         descs = np.array([[buf.data_ptr(), 4096, 0]], dtype=np.uint64)
         for _ in range(2):

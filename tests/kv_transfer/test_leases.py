@@ -11,7 +11,7 @@ def note(rid: str, rank: int, tp: int = 2, engine: str = "d", kind=NotificationK
 
 
 def test_duplicates_cannot_free_early():
-    t = LeaseTable(lease_s=10, producer_tp=2, num_kv_heads=2)  # P TP 2, D TP 2: (0,0), (1,1)
+    t = LeaseTable(lease_s=10, producer_tp_size=2, num_kv_heads=2)  # P TP 2, D TP 2: (0,0), (1,1)
     t.add("r", [1, 2], now=0)
     assert t.notify(0, note("r", 0))
     assert t.notify(0, note("r", 0))  # the same read reported twice
@@ -23,7 +23,7 @@ def test_duplicates_cannot_free_early():
 
 
 def test_expiry_and_heartbeat_renewal():
-    t = LeaseTable(lease_s=5, producer_tp=1, num_kv_heads=2)
+    t = LeaseTable(lease_s=5, producer_tp_size=1, num_kv_heads=2)
     t.add("a", [1], now=0)
     t.add("b", [2], now=0)
     assert t.heartbeat("d", 1, ["a", "zzz"], now=4) == [True, False]
@@ -35,7 +35,7 @@ def test_expiry_and_heartbeat_renewal():
 
 
 def test_release_and_owner():
-    t = LeaseTable(lease_s=5, producer_tp=1, num_kv_heads=2)
+    t = LeaseTable(lease_s=5, producer_tp_size=1, num_kv_heads=2)
     t.add("a", [1], now=0)
     assert t.heartbeat("d1", 1, ["a"], now=1) == [True]
     assert t.heartbeat("d2", 1, ["a"], now=1) == [False]  # another consumer cannot renew it
@@ -49,7 +49,7 @@ def test_release_and_owner():
 
 
 def test_abort_notification_releases():
-    t = LeaseTable(lease_s=5, producer_tp=1, num_kv_heads=2)
+    t = LeaseTable(lease_s=5, producer_tp_size=1, num_kv_heads=2)
     t.add("a", [1], now=0)
     assert t.notify(0, note("a", 0, tp=1, kind=NotificationKind.ABORT))
     assert [l.request_id for l in t.collect(now=1)[0]] == ["a"]

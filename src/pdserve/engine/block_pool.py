@@ -119,6 +119,10 @@ class BlockPool:
         stay in the prefix cache: their contents never change)."""
         self.quarantine.append((until, list(block_ids)))
 
+    def next_quarantine_release(self, now: float) -> float | None:
+        """Seconds until quarantined blocks come back (None: none are quarantined)."""
+        return max(0.0, min(q[0] for q in self.quarantine) - now) if self.quarantine else None
+
     def release_quarantine(self, now: float) -> int:
         due = [q for q in self.quarantine if q[0] <= now]
         if due:

@@ -1,8 +1,9 @@
 """The engine of one instance: `add_request`, `step`, `abort`, driven by `LLM` or the server's loop.
 
 Engine process (the server runs it in one dedicated thread). A step is schedule -> execute on the TP
-ranks -> process the sampled tokens; the P/D connector (when configured) adds its metadata to each
-step and turns the ranks' reports into request transitions.
+ranks -> process the sampled tokens. The P/D connector adds its metadata to each step and decides
+what its timers, side-channel replies and the ranks' reports mean; the engine applies those
+decisions (`_apply`) to its scheduler and block pool (docs/design.md, "The connector seam").
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
 from typing import Callable
 
@@ -18,9 +20,12 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.output_processor import OutputProcessor
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, TransferState
 from pdserve.engine.scheduler import Scheduler
-from pdserve.kv_transfer.params import KVTransferParams
+from pdserve.kv_transfer.messages import Fingerprint
+from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadResult
+from pdserve.kv_transfer.params import FirstToken, KVTransferParams
+from pdserve.kv_transfer.scheduler_side import NoConnector, SchedulerConnector
 from pdserve.model.parallel import check_tp_size, kv_head_range
 from pdserve.model.spec import ModelSpec, resolve_dtype
 from pdserve.outputs import RequestOutput, TokenLogprob
@@ -58,19 +63,26 @@ class Engine:
         self.pool = BlockPool(self.num_blocks, config.cache.block_size,
                               config.cache.enable_prefix_caching)
         self.executor = Executor(config, self.num_blocks, self.engine_id)
-        self.connector = None
-        if config.kv_transfer is not None:
-            from pdserve.kv_transfer.scheduler_side import SchedulerConnector
-            self.connector = SchedulerConnector(self, config.kv_transfer, self.executor.rank_agents)
-        self.scheduler = Scheduler(config.scheduler, self.pool, self.connector)
-        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
-        self._pending: list[RequestOutput] = []  # produced outside a step (first tokens, failures)
         # Called from other threads when work arrives for the engine (a side-channel reply); the
         # loop that drives the engine replaces it with a way to end its sleep.
         self.wake: Callable[[], None] = lambda: None
+        self.connector = NoConnector()
+        if config.kv_transfer is not None:
+            self.connector = SchedulerConnector(config.kv_transfer, self.engine_id, self.fingerprint(),
+                                                self.executor.rank_agents, wake=lambda: self.wake())
+        self.scheduler = Scheduler(config.scheduler, self.pool)
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self._pending: list[RequestOutput] = []  # produced outside a step (first tokens, failures)
         self._step_id = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+
+    def fingerprint(self) -> Fingerprint:
+        """What a P/D peer must share with this engine before one reads the other's cache."""
+        spec = self.spec
+        return Fingerprint(model=spec.fingerprint(), dtype=str(self.dtype).replace("torch.", ""),
+                           num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                           head_dim=spec.head_dim, block_size=self.config.cache.block_size)
 
     def _blocks_for_budget(self) -> int:
         tp = self.config.parallel.tensor_parallel_size
@@ -99,9 +111,6 @@ class Engine:
         if params.n != 1:
             raise InvalidRequestError("n", "the engine runs one sequence per request; fan out above it")
         if kv_transfer is not None:
-            if self.connector is None and (kv_transfer.do_remote_prefill or kv_transfer.do_remote_decode):
-                raise InvalidRequestError("kv_transfer_params",
-                                          "this instance was started without a KV transfer connector")
             kv_transfer.check_against(prompt_token_ids, self.config.cache.block_size,
                                       self.config.parallel.tensor_parallel_size, self.spec.num_heads,
                                       self.spec.num_kv_heads, self.spec.vocab_size)
@@ -110,8 +119,7 @@ class Engine:
                 raise InvalidRequestError("kv_transfer_params.first_token_logprob",
                                           "is required when logprobs are requested (send the "
                                           "request to the producer with logprobs too)")
-            if kv_transfer.do_remote_prefill:
-                self.connector.claim(kv_transfer)
+        self.connector.add_request(request_id, kv_transfer)  # the last check: nothing raises after it
         max_tokens = self.max_model_len - n
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -120,7 +128,7 @@ class Engine:
         self.output_processor.start(request)
         self.num_prompt_tokens += n
         self.scheduler.add(request)
-        if self.connector is not None and self.connector.wants_remote_kv(request):
+        if request.transfer == TransferState.AWAITING_KV:
             self._emit_first_token(request)
 
     def _emit_first_token(self, request: Request) -> None:
@@ -134,30 +142,58 @@ class Engine:
         self.num_generated_tokens += 1
         self._pending.append(out)
         if status is not None:  # only if the proxy forwarded a request the producer should have ended
-            self.scheduler.finish(request, status)
+            self._finish(request, status)
 
     def abort(self, request_id: str) -> bool:
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return False
-        if self.connector is not None and self.connector.abort_load(request):
-            return True  # blocks are freed once every rank's READ has ended
-        self.finish_aborted(request)
+        if not self.connector.abort(request_id):  # else: it ends once every rank's READ has
+            self._end(request, RequestStatus.FINISHED_ABORTED)
         return True
 
-    def finish_aborted(self, request: Request) -> None:
-        """End an aborted request (called later for one whose abort waited for its KV reads)."""
-        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+    def _end(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        """End a request outside a step (aborted, or failed with an error the client sees)."""
+        self._finish(request, status)
         self._pending.append(RequestOutput(request.request_id, [], "", None, finished=True,
-                                           finish_reason="abort",
+                                           finish_reason=status.value, error=error,
                                            num_prompt_tokens=request.num_prompt_tokens))
 
-    def fail_request(self, request: Request, message: str) -> None:
-        """End one request with an error the client sees (the engine goes on)."""
-        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
-        self._pending.append(RequestOutput(request.request_id, [], "", None, finished=True,
-                                           finish_reason="error", error=message,
-                                           num_prompt_tokens=request.num_prompt_tokens))
+    def _finish(self, request: Request, status: RequestStatus) -> dict | None:
+        """Every request ends here. A P/D producer's hand-off keeps the prompt's blocks under a
+        lease and returns the `kv_transfer_params` of its answer."""
+        handoff = None
+        if request.transfer == TransferState.HANDED_OFF:
+            first = request.logprobs[0] if request.logprobs else None
+            handoff = self.connector.hand_off(
+                request.request_id, request.prompt_token_ids, request.block_ids,
+                FirstToken(request.output_token_ids[0], first.logprob if first else None,
+                           tuple(first.top) if first and first.top is not None else None))
+        self.scheduler.finish(request, status, handoff.block_ids if handoff else ())
+        self.connector.request_finished(request.request_id)
+        return handoff.params if handoff else None
+
+    def _apply(self, outcome: ConnectorOutcome) -> None:
+        """Carry out what the connector decided."""
+        if outcome.free_blocks:
+            self.pool.release(outcome.free_blocks)
+        for until, block_ids in outcome.quarantine:
+            self.pool.quarantine_blocks(block_ids, until)
+        for o in outcome.loads:
+            request = self.scheduler.requests.get(o.request_id)
+            if request is None:  # ended while the decision was on its way (an abort of a queued load)
+                continue
+            if o.quarantine_until is not None:  # a READ may still land in them
+                self.pool.quarantine_blocks(request.block_ids, o.quarantine_until)
+                request.block_ids = []
+            if o.result == LoadResult.LOADED:
+                self.scheduler.remote_kv_loaded(request)
+            elif o.result == LoadResult.RECOMPUTE:
+                self.scheduler.recompute_locally(request)
+            elif o.result == LoadResult.ABORTED:
+                self._end(request, RequestStatus.FINISHED_ABORTED)
+            else:
+                self._end(request, RequestStatus.FINISHED_ERROR, o.message)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
@@ -165,20 +201,26 @@ class Engine:
     def needs_step(self) -> bool:
         """A step would advance something now (the server loop sleeps otherwise). Queued requests
         alone do not count: each new request gets a step when it arrives, and one that could not be
-        admitted waits for blocks to come back, which happens in a step or at a connector timer,
-        so an overloaded engine does not spin."""
-        if self._pending or self.scheduler.running:
-            return True
-        return self.connector is not None and self.connector.needs_step()
+        admitted waits for blocks to come back, which happens in a step or at a timer, so an
+        overloaded engine does not spin."""
+        return bool(self._pending or self.scheduler.running) or self.connector.needs_step()
+
+    def wakeup_in(self) -> float | None:
+        """Seconds until a timer (the connector's, or quarantined blocks coming back) needs a step."""
+        now = time.monotonic()
+        timers = [t for t in (self.connector.wakeup_in(now), self.pool.next_quarantine_release(now))
+                  if t is not None]
+        return min(timers, default=None)
 
     # --- one step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        if self.connector is not None:
-            self.connector.tick()
+        self.pool.release_quarantine(time.monotonic())
+        self._apply(self.connector.tick())
         sched = self.scheduler.schedule()
-        meta = self.connector.build_metadata() if self.connector is not None else None
+        self._apply(self.connector.start_loads(sched.remote_loads))
+        meta = self.connector.build_metadata()
         if sched.is_empty and not sched.finished_request_ids and meta is None:
             return outputs + self._drain_pending()
         self._step_id += 1
@@ -192,16 +234,12 @@ class Engine:
                 continue
             lp = TokenLogprob(token.token_id, token.logprob, token.top_logprobs) \
                 if request.logprobs is not None else None
-            hand_off = self.connector is not None and self.connector.is_producer(request)
-            out, status = self.output_processor.append(request, token.token_id, lp, hand_off)
+            out, status = self.output_processor.append(request, token.token_id, lp)
             self.num_generated_tokens += 1
             if status is not None:
-                self.scheduler.finish(request, status)
-                if self.connector is not None:
-                    out.kv_transfer_params = self.connector.take_transfer_params(request)
+                out.kv_transfer_params = self._finish(request, status)
             outputs.append(out)
-        if self.connector is not None:
-            self.connector.process_reports([r.connector for r in results])
+        self._apply(self.connector.process_reports([r.connector for r in results]))
         return outputs + self._drain_pending()
 
     def _drain_pending(self) -> list[RequestOutput]:
@@ -214,10 +252,8 @@ class Engine:
         """Counts for /metrics; `drain` also hands over the connector's new per-transfer records."""
         stats = {
             "num_running": len(self.scheduler.running),
-            "num_waiting": sum(1 for r in self.scheduler.waiting),
-            "num_waiting_for_remote_kv": sum(
-                1 for r in self.scheduler.requests.values()
-                if r.status == RequestStatus.WAITING_FOR_REMOTE_KV),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting_for_remote_kv": len(self.scheduler.loading),
             "num_blocks": self.num_blocks,
             "num_free_blocks": self.pool.num_free_blocks,
             "num_quarantined_blocks": self.pool.num_quarantined_blocks,
@@ -225,11 +261,11 @@ class Engine:
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
         }
-        if self.connector is not None:
-            stats["kv_transfer"] = self.connector.stats(drain)
+        kv = self.connector.stats(drain)
+        if kv is not None:
+            stats["kv_transfer"] = kv
         return stats
 
     def shutdown(self) -> None:
-        if self.connector is not None:
-            self.connector.close()
+        self.connector.close()
         self.executor.shutdown()

@@ -7,7 +7,7 @@ P/D hand-off (a producer's request ends after its first token).
 
 from __future__ import annotations
 
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, TransferState
 from pdserve.outputs import RequestOutput, TokenLogprob
 from pdserve.text.detokenizer import IncrementalDetokenizer, find_stop
 from pdserve.text.tokenizer import Tokenizer
@@ -22,10 +22,10 @@ class OutputProcessor:
         request.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                                request.params.skip_special_tokens)
 
-    def append(self, request: Request, token_id: int, logprob: TokenLogprob | None,
-               hand_off: bool = False) -> tuple[RequestOutput, RequestStatus | None]:
+    def append(self, request: Request, token_id: int,
+               logprob: TokenLogprob | None) -> tuple[RequestOutput, RequestStatus | None]:
         """Add one generated token. Returns the delta and the finished status (None: continue).
-        `hand_off`: a P/D producer stops after its first token unless a rule above already did."""
+        A P/D producer's request stops after its first token unless a rule above already did."""
         request.output_token_ids.append(token_id)
         if request.logprobs is not None and logprob is not None:
             request.logprobs.append(logprob)
@@ -46,8 +46,8 @@ class OutputProcessor:
         elif len(request.output_token_ids) >= request.max_tokens \
                 or request.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
-        elif hand_off:
-            request.handoff_to_decode = True  # the decode instance continues from here
+        elif request.transfer == TransferState.PRODUCING:
+            request.move_transfer_to(TransferState.HANDED_OFF)  # the decode instance continues
             status = RequestStatus.FINISHED_LENGTH
         if status is not None and not isinstance(request.stop_reason, str):
             request.output_text += request.detok.flush()  # a stop string already cut the text

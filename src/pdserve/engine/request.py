@@ -1,7 +1,8 @@
-"""A request inside the engine and its lifecycle: one enum, with its legal transitions in one place.
+"""A request inside the engine and its two lifecycles, each one enum with its legal transitions in
+one place: scheduling (`RequestStatus`) and its part in P/D (`TransferState`).
 
 Engine process. The scheduler owns requests; a request owns its block ids until it finishes (or, on
-a P/D producer, until its blocks are handed to a lease by the connector).
+a P/D producer, until its prompt's blocks are handed to a lease by the connector).
 """
 
 from __future__ import annotations
@@ -39,6 +40,31 @@ _TRANSITIONS = {
 }
 
 
+class TransferState(enum.Enum):
+    """A request's part in P/D (docs/design.md, "Block lifecycle")."""
+
+    NONE = "none"  # served here from start to end
+    PRODUCING = "producing"  # prefill for a remote decode: hand off after the first token
+    HANDED_OFF = "handed_off"  # finished here; its prompt's blocks belong to a lease
+    AWAITING_KV = "awaiting_kv"  # decode: the prompt's KV comes from the producer
+    KV_LOADED = "kv_loaded"  # ... and has arrived
+    RECOMPUTING = "recomputing"  # ... could not be loaded: the prompt is prefilled here
+
+    @classmethod
+    def initial(cls, params: KVTransferParams | None) -> "TransferState":
+        if params is not None and params.do_remote_decode:
+            return cls.PRODUCING
+        if params is not None and params.do_remote_prefill:
+            return cls.AWAITING_KV
+        return cls.NONE
+
+
+_TRANSFER_TRANSITIONS = {
+    TransferState.PRODUCING: {TransferState.HANDED_OFF},
+    TransferState.AWAITING_KV: {TransferState.KV_LOADED, TransferState.RECOMPUTING},
+}
+
+
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_tokens: int,
@@ -60,10 +86,7 @@ class Request:
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks, in order
         self.arrival_time = time.monotonic()
         self.sent_to_workers = False  # the sampler on rank 0 knows this request
-        self.handoff_to_decode = False  # P/D producer: finished here, a decode instance continues
-        self.kv_load_failed = False  # P/D consumer: the remote KV could not be loaded (recomputing)
-        self.kv_loaded = False  # P/D consumer: the remote KV arrived
-        self.kv_released = False  # P/D consumer: the producer was told to free its blocks
+        self.transfer = TransferState.initial(kv_transfer)
         self.stop_reason: str | int | None = None
         # detokenization state (see text/detokenizer.py)
         self.detok = None
@@ -90,6 +113,11 @@ class Request:
         if status not in _TRANSITIONS.get(self.status, ()):
             raise AssertionError(f"request {self.request_id}: illegal {self.status} -> {status}")
         self.status = status
+
+    def move_transfer_to(self, state: TransferState) -> None:
+        if state not in _TRANSFER_TRANSITIONS.get(self.transfer, ()):
+            raise AssertionError(f"request {self.request_id}: illegal {self.transfer} -> {state}")
+        self.transfer = state
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id}, {self.status.value}, prompt={self.num_prompt_tokens}, "

@@ -5,22 +5,18 @@ Engine process, once per step: `schedule` decides which tokens of which requests
 while budget, sequence slots and blocks last. When a running request needs a block and none is free,
 the most recently admitted running request is preempted (its blocks freed, recomputed later).
 P/D consumer requests are admitted to WAITING_FOR_REMOTE_KV: blocks allocated, never scheduled until
-the connector reports their KV has arrived.
+the engine applies the connector's outcome for them (loaded, or recompute here).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import TYPE_CHECKING
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, TransferState
 from pdserve.worker.messages import NewRequest, SamplingSpec, ScheduledChunk
-
-if TYPE_CHECKING:
-    from pdserve.kv_transfer.scheduler_side import SchedulerConnector
 
 
 @dataclasses.dataclass
@@ -29,6 +25,8 @@ class SchedulerOutput:
     new_requests: list[NewRequest]
     finished_request_ids: list[str]
     num_preempted: int = 0
+    remote_loads: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)  # admitted to
+    # WAITING_FOR_REMOTE_KV this step: (request id, local block ids) for the connector
 
     @property
     def is_empty(self) -> bool:
@@ -36,14 +34,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool,
-                 connector: "SchedulerConnector | None" = None):
+    def __init__(self, config: SchedulerConfig, pool: BlockPool):
         self.config = config
         self.pool = pool
-        self.connector = connector
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: list[Request] = []  # WAITING_FOR_REMOTE_KV
         self._finished_ids: list[str] = []  # since the last step, for the sampler on rank 0
         self.num_preemptions = 0
 
@@ -53,16 +50,20 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a request and release its blocks (a P/D producer's connector may keep them)."""
+    def finish(self, request: Request, status: RequestStatus, keep_block_ids: list[int] = ()) -> None:
+        """End a request and release its blocks, except `keep_block_ids` (a P/D hand-off's, which
+        now belong to a lease)."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.loading.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.move_to(status)
-        keep = self.connector is not None and self.connector.request_finished(request)
-        if not keep and request.block_ids:
-            self.pool.release(request.block_ids)
+        keep = set(keep_block_ids)
+        release = [b for b in request.block_ids if b not in keep]
+        if release:
+            self.pool.release(release)
         request.block_ids = []
         self.requests.pop(request.request_id, None)
         if request.sent_to_workers:
@@ -78,6 +79,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequest] = []
+        remote_loads: list[tuple[str, list[int]]] = []
         preempted = 0
 
         for request in list(self.running):
@@ -99,9 +101,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
-            if request.status == RequestStatus.WAITING and self.connector is not None \
-                    and self.connector.wants_remote_kv(request):
-                if not self._admit_remote(request):
+            if request.transfer == TransferState.AWAITING_KV:
+                if not self._admit_remote(request, remote_loads):
                     break
                 continue
             if len(self.running) >= self.config.max_num_seqs:
@@ -113,7 +114,7 @@ class Scheduler:
             budget -= num_new
 
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(chunks, new_requests, finished, preempted)
+        return SchedulerOutput(chunks, new_requests, finished, preempted, remote_loads)
 
     def advance(self, out: SchedulerOutput) -> None:
         """Record the tokens the ranks just computed."""
@@ -172,10 +173,10 @@ class Scheduler:
         self.running.append(request)
         return True
 
-    def _admit_remote(self, request: Request) -> bool:
-        """P/D consumer: allocate blocks for the prompt and the producer's first token, and hand
-        the request to the connector. Requests loading KV count against max_num_seqs."""
-        if len(self.running) + self.connector.num_loading >= self.config.max_num_seqs:
+    def _admit_remote(self, request: Request, remote_loads: list) -> bool:
+        """P/D consumer: allocate blocks for the prompt and the producer's first token; the
+        connector reads the KV into them. Requests loading KV count against max_num_seqs."""
+        if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
             return False
         needed = self.pool.blocks_needed(request.num_prompt_tokens + 1)
         if needed > self.pool.num_free_blocks:
@@ -183,17 +184,25 @@ class Scheduler:
         request.block_ids = self.pool.allocate(needed)
         self.waiting.popleft()
         request.move_to(RequestStatus.WAITING_FOR_REMOTE_KV)
-        self.connector.start_load(request)
+        self.loading.append(request)
+        remote_loads.append((request.request_id, list(request.block_ids)))
         return True
 
     def remote_kv_loaded(self, request: Request) -> None:
+        self.loading.remove(request)
+        request.move_transfer_to(TransferState.KV_LOADED)
         request.num_computed_tokens = request.num_prompt_tokens
         self.pool.cache_full_blocks(request)
         request.move_to(RequestStatus.RUNNING)
         self.running.append(request)
 
-    def remote_kv_failed_recompute(self, request: Request) -> None:
-        """Policy `recompute`: drop the (possibly partial) KV and prefill locally, first in line."""
+    def recompute_locally(self, request: Request) -> None:
+        """Policy `recompute`: drop the (possibly partial) KV and prefill here, first in line (a
+        request still queued just stops waiting for remote KV)."""
+        request.move_transfer_to(TransferState.RECOMPUTING)
+        if request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            return
+        self.loading.remove(request)
         self.pool.release(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0

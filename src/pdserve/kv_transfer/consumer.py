@@ -1,299 +1,300 @@
 """The consumer role of the scheduler-side connector (engine process of a decode instance).
 
-Per producer engine id: one lazy handshake, cached, deduplicated while in flight, run on the side
-channel's thread (off the step loop) with a timeout; the producer's TP size comes from the request, so
-the handshake asks only for the producer ranks this instance's ranks read from. Per request: a
-heartbeat on admission and every lease/3 (the READ is posted only before the conservative deadline
-that the last acknowledged heartbeat gives), then one READ per rank, then a transition once every
-rank has reported, or a failure when they have not within the READ timeout (the blocks are then
-quarantined: a READ may still land). Whoever gives up tells the producer to release.
+Per request (docs/design.md, "Block lifecycle"): accepted params start a `Load`; heartbeats keep the
+producer's lease from that moment, queued or not; admission brings local blocks; the READ is posted
+only before the conservative deadline the last acknowledged heartbeat gives; once every rank has
+reported, the load is LOADED (or ABORTED), and when they have not within the READ timeout the
+local blocks are in doubt (a READ may still land) and go to quarantine. Whoever gives up tells the
+producer to release. Every decision is a `LoadOutcome` in the shared outcome buffer; nothing here
+touches the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
-import time
-from collections import OrderedDict
+from collections import deque
+from typing import Callable
 
 from pdserve.config import KVTransferConfig
-from pdserve.engine.request import Request
-from pdserve.kv_transfer.handshake import HandshakeError, Peer, PeerState, PeerTable
-from pdserve.kv_transfer.load import WAITING, Load, LoadState
+from pdserve.kv_transfer.handshake import HandshakeReplied, PeerState, PeerTable, tp_mismatch
+from pdserve.kv_transfer.load import IN_FLIGHT, NOT_READING, Claims, Load, LoadState
 from pdserve.kv_transfer.messages import (ConnectorReport, Fingerprint, Heartbeat, HeartbeatAck,
                                           PeerAgents, ReadFailure, ReadSpec, Release)
-from pdserve.kv_transfer.side_channel import SideChannelClient
+from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadOutcome, LoadResult
+from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
 REPORT_GRACE_S = 5.0  # after the READ timeout, how long the ranks get to report before we stop waiting
 MIN_HEARTBEAT_S = 0.05
-CLAIMS_KEPT = 1 << 16
+TRANSFERS_KEPT = 1024  # per-transfer records kept between two scrapes of /metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class HeartbeatReplied:
+    """Side-channel thread -> engine thread: the answer to one heartbeat (or the exception)."""
+
+    engine_id: str
+    sent_at: float
+    request_ids: list[str]  # consumer request ids, in the heartbeat's order
+    reply: object
 
 
 class ConsumerSide:
-    def __init__(self, engine, config: KVTransferConfig, fingerprint: Fingerprint, tp_size: int):
-        self.engine = engine
+    def __init__(self, config: KVTransferConfig, engine_id: str, fingerprint: Fingerprint,
+                 tp_size: int, num_kv_heads: int, client, outcome: ConnectorOutcome,
+                 clock: Callable[[], float], wake: Callable[[], None]):
         self.config = config
-        self.fingerprint = fingerprint
+        self.engine_id = engine_id
         self.tp_size = tp_size
-        self.num_kv_heads = engine.spec.num_kv_heads
-        self.client = SideChannelClient(config.secret)
-        self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self.peers = PeerTable(self.client, fingerprint, tp_size, engine.spec.num_kv_heads,
-                               config.handshake_timeout_s, self._event)
+        self.client = client
+        self.outcome = outcome
+        self.clock = clock
+        self._wake = wake  # ends the engine loop's sleep (called on the side channel's thread)
+        self._events: queue.SimpleQueue[HandshakeReplied | HeartbeatReplied] = queue.SimpleQueue()
+        self.peers = PeerTable(client, fingerprint, tp_size, num_kv_heads, config.handshake_timeout_s,
+                               self._event, clock)
         self.loads: dict[str, Load] = {}
-        self._claimed: OrderedDict[tuple[str, str], None] = OrderedDict()  # params already used
+        self.claims = Claims()
         self.counters = {"nixl_num_failed_transfers": 0, "kv_transfers": 0, "kv_heartbeats": 0}
-        self.transfers: list[dict] = []
+        self.transfers: deque[dict] = deque(maxlen=TRANSFERS_KEPT)
 
-    # --- admission ------------------------------------------------------------------------------
+    # --- requests (engine thread) -------------------------------------------------------------
 
-    def claim(self, params) -> None:
-        """At add_request: one producer request's KV is read by one consumer request, once. A second
-        request with the same params (a retried decode leg) could otherwise read blocks the producer
-        freed after the first read."""
-        key = (params.remote_engine_id, params.remote_request_id)
-        if key in self._claimed:
-            raise InvalidRequestError("kv_transfer_params.remote_request_id",
-                                      f"{params.remote_request_id!r} of producer "
-                                      f"{params.remote_engine_id!r} was already used by another request")
-        self._claimed[key] = None
-        if len(self._claimed) > CLAIMS_KEPT:
-            self._claimed.popitem(last=False)
+    def add(self, request_id: str, params: KVTransferParams) -> None:
+        """The engine accepts a request with these params: refuse (InvalidRequestError) or start
+        keeping the producer's lease alive."""
+        error = self.peers.check_tp(params.remote_engine_id, params.producer_tp_size)
+        if error:
+            raise InvalidRequestError("kv_transfer_params.tp_size", error)
+        self.claims.claim(params)
+        load = Load(request_id, params)
+        self.loads[request_id] = load
+        peer = self.peers.get(params.remote_engine_id) or self.peers.handshake(
+            params.remote_engine_id, params.remote_host, params.remote_port, params.producer_tp_size)
+        self._heartbeat(peer.engine_id, peer.host, peer.port, [load])
 
-    def start(self, request: Request) -> None:
-        p = request.kv_transfer
-        load = Load(request)
-        self.loads[request.request_id] = load
-        peer = self.peers.get(p.remote_engine_id)
-        if peer is None:
-            peer = self.peers.handshake(p.remote_engine_id, p.remote_host, p.remote_port, p.tp_size)
-        elif peer.state == PeerState.READY and peer.tp_size != p.tp_size:
-            self._fail(load, f"kv_transfer_params.tp_size={p.tp_size} but producer "
-                             f"{p.remote_engine_id} has tp_size={peer.tp_size}")
-            return
-        self._heartbeat(peer, [load], time.monotonic())
+    def admit(self, request_id: str, block_ids: list[int]) -> None:
+        """The request got its local blocks (prompt + first token)."""
+        load = self.loads[request_id]
+        load.block_ids = list(block_ids)
+        load.move_to(LoadState.WAITING_PEER)
+        self._promote(load)
 
-    def _heartbeat(self, peer: Peer, loads: list[Load], now: float) -> None:
-        for l in loads:
-            l.last_heartbeat = now
-        self.counters["kv_heartbeats"] += 1
-        msg = Heartbeat(self.engine.engine_id, self.tp_size, [l.params.remote_request_id for l in loads])
-        ids = [l.request.request_id for l in loads]
-        self.client.send(peer.host, peer.port, msg, self.config.handshake_timeout_s,
-                         lambda reply: self._event(("heartbeat", peer.engine_id, now, ids, reply)))
+    def abort(self, request_id: str) -> bool:
+        """True when the engine must wait for an ABORTED outcome (a READ into the request's blocks
+        may be in flight)."""
+        load = self.loads.get(request_id)
+        if load is None:
+            return False
+        if load.state in IN_FLIGHT:
+            if load.state == LoadState.READING:
+                load.move_to(LoadState.ABORTING)
+            return True
+        self._drop(load, "client aborted")
+        return False
 
-    def _event(self, event: tuple) -> None:
-        """Side-channel thread: hand a reply to the engine thread and wake it."""
-        self._events.put(event)
-        self.engine.wake()
+    def finished(self, request_id: str) -> None:
+        """The engine ended the request; a load that never started reading tells the producer."""
+        load = self.loads.get(request_id)
+        if load is not None and load.state in NOT_READING:
+            self._drop(load, "request ended before reading")
 
-    def release(self, request: Request, reason: str) -> None:
-        """Tell the producer to free this request's blocks (once; the producer ignores repeats)."""
-        if request.kv_released:
-            return
-        request.kv_released = True
-        p = request.kv_transfer
-        self.client.send(p.remote_host, p.remote_port,
-                         Release(self.engine.engine_id, [p.remote_request_id], reason),
-                         self.config.handshake_timeout_s, lambda reply: None)
+    # --- every engine step ----------------------------------------------------------------------
 
-    # --- engine thread, every loop turn ----------------------------------------------------------
-
-    def tick(self, now: float) -> None:
+    def tick(self) -> None:
+        """Apply side-channel replies, end stalled READs, send heartbeats that are due."""
         while True:
             try:
                 event = self._events.get_nowait()
             except queue.Empty:
                 break
-            if event[0] == "handshake":
-                self._on_handshake(*event[1:])
+            if isinstance(event, HandshakeReplied):
+                self._on_handshake(event)
             else:
-                self._on_heartbeat(*event[1:])
+                self._on_heartbeat(event)
+        now = self.clock()
         due: dict[str, list[Load]] = {}
         for load in list(self.loads.values()):
-            if load.state in (LoadState.READING, LoadState.ABORTING) and now > load.reports_due:
+            if load.state in IN_FLIGHT and now > load.reports_due:
                 self._finish(load, stalled=True)
-                continue
-            if now - load.last_heartbeat >= self._period(load) and load.state != LoadState.ABORTING:
-                due.setdefault(load.params.remote_engine_id, []).append(load)
+            elif load.state != LoadState.ABORTING and now - load.last_heartbeat >= self._period(load):
+                due.setdefault(load.engine_id, []).append(load)
         for engine_id, loads in due.items():
             peer = self.peers.get(engine_id)
             if peer is not None:
-                self._heartbeat(peer, loads, now)
-
-    def _on_handshake(self, engine_id: str, started: float, reply) -> None:
-        peer = self.peers.get(engine_id)
-        if peer is None or peer.state == PeerState.READY:
-            return
-        try:
-            agents = self.peers.check(peer, reply)
-        except HandshakeError as e:
-            logger.warning("handshake with %s failed: %s", engine_id, e)
-            self._evict_peer(engine_id, f"KV handshake with producer {engine_id} failed: {e}")
-            return
-        for load in [l for l in self.loads.values() if l.params.remote_engine_id == engine_id
-                     and l.params.tp_size != agents.tp_size]:
-            self._fail(load, f"kv_transfer_params.tp_size={load.params.tp_size} but producer "
-                             f"{engine_id} has tp_size={agents.tp_size}")
-        if agents.tp_size != peer.tp_size:  # the first request was wrong: ask for the right ranks
-            if any(l.params.remote_engine_id == engine_id for l in self.loads.values()):
-                self.peers.handshake(engine_id, peer.host, peer.port, agents.tp_size)
-            else:
-                self.peers.evict(engine_id)
-            return
-        for gone in self.peers.ready(peer, agents, started):
-            self._evict_peer(gone, f"producer at {peer.host}:{peer.port} restarted as {engine_id}")
-        self._promote(peer)
-
-    def _on_heartbeat(self, engine_id: str, sent_at: float, request_ids: list[str], reply) -> None:
-        if not isinstance(reply, HeartbeatAck):
-            if any(rid in self.loads and self.loads[rid].state in WAITING for rid in request_ids):
-                self._evict_peer(engine_id, f"producer {engine_id} unreachable (heartbeat: {reply})")
-            return
-        for rid, alive in zip(request_ids, reply.alive):
-            load = self.loads.get(rid)
-            if load is None:
-                continue
-            if not alive:
-                if load.state in WAITING:
-                    self._fail(load, f"producer {engine_id} no longer holds the KV of "
-                                     f"{load.params.remote_request_id} (lease expired or released)")
-                continue
-            load.deadline = sent_at + reply.lease_s - max(0.1 * reply.lease_s, 0.05)
-            load.lease_s = reply.lease_s
-            load.quarantine_s = reply.quarantine_s
-        peer = self.peers.get(engine_id)
-        if peer is not None:
-            self._promote(peer)
-
-    def _promote(self, peer: Peer) -> None:
-        if peer.state != PeerState.READY:
-            return
-        for load in self.loads.values():
-            if load.state == LoadState.WAITING_PEER and load.deadline is not None \
-                    and load.params.remote_engine_id == peer.engine_id:
-                load.move_to(LoadState.READY)
-
-    # --- step metadata and reports ----------------------------------------------------------------
+                self._heartbeat(engine_id, peer.host, peer.port, loads)
 
     def build(self) -> tuple[list[PeerAgents], list[str], list[ReadSpec]]:
-        peers = self.peers.to_workers()
-        evict = self.peers.take_evicted()
+        """Peers the ranks must load or drop, and the READs to post now."""
         reads = []
-        now = time.monotonic()
+        now = self.clock()
         for load in [l for l in self.loads.values() if l.state == LoadState.READY]:
             p = load.params
-            peer = self.peers.get(p.remote_engine_id)
-            if peer is None or peer.state != PeerState.READY:
-                self._fail(load, f"producer {p.remote_engine_id} is no longer reachable")
-                continue
-            pool_size = min((r.num_blocks for r in peer.agents.ranks), default=0)
-            too_big = [b for b in p.remote_block_ids if b >= pool_size]
-            if too_big:
-                self._fail(load, f"kv_transfer_params.remote_block_ids {too_big[:4]} are beyond the "
-                                 f"producer's pool ({pool_size} blocks)")
-                continue
             timeout = min(self.config.transfer_timeout_s, load.quarantine_s / 2)
             load.move_to(LoadState.READING)
             load.reports_due = now + timeout + REPORT_GRACE_S
-            local = load.request.block_ids[:len(p.remote_block_ids)]
-            reads.append(ReadSpec(load.request.request_id, p.remote_engine_id, p.remote_request_id,
-                                  list(p.remote_block_ids), local, p.tp_size, load.deadline, timeout))
-        return peers, evict, reads
+            reads.append(ReadSpec(load.request_id, p.remote_engine_id, p.remote_request_id,
+                                  list(p.remote_block_ids), load.block_ids[:len(p.remote_block_ids)],
+                                  load.deadline, timeout))
+        return self.peers.to_workers(), self.peers.take_evicted(), reads
 
     def process(self, reports: list[ConnectorReport]) -> None:
         for rank, report in enumerate(reports):
             for item in [*report.done, *report.failed]:
                 load = self.loads.get(item.request_id)
-                if load is not None and load.state in (LoadState.READING, LoadState.ABORTING):
+                if load is not None and load.state in IN_FLIGHT:
                     load.results[rank] = item
         for load in [l for l in self.loads.values() if len(l.results) == self.tp_size]:
             self._finish(load)
 
+    # --- side-channel replies ---------------------------------------------------------------------
+
+    def _event(self, event: HandshakeReplied | HeartbeatReplied) -> None:
+        self._events.put(event)
+        self._wake()
+
+    def _on_handshake(self, event: HandshakeReplied) -> None:
+        result = self.peers.accept(event)
+        if result is None:
+            return
+        if result.error:
+            return self._fail_waiting(result.engine_id, result.error)
+        waiting = [l for l in self.loads.values()
+                   if l.engine_id == result.engine_id and l.state in NOT_READING]
+        for load in [l for l in waiting if l.params.producer_tp_size != result.producer_tp_size]:
+            self._fail(load, tp_mismatch(result.engine_id, load.params.producer_tp_size,
+                                         result.producer_tp_size))
+        right = [l for l in waiting if l.params.producer_tp_size == result.producer_tp_size]
+        if not result.ready:  # asked with another request's wrong TP size: ask again for these
+            if right:
+                p = right[0].params
+                self.peers.handshake(result.engine_id, p.remote_host, p.remote_port, result.producer_tp_size)
+            return
+        for gone in result.replaced:
+            self._fail_waiting(gone, f"producer {gone} was replaced by {result.engine_id} at its address")
+        for load in right:
+            self._promote(load)
+
+    def _on_heartbeat(self, event: HeartbeatReplied) -> None:
+        reply = event.reply
+        if not isinstance(reply, HeartbeatAck) or len(reply.alive) != len(event.request_ids):
+            if any(l.engine_id == event.engine_id and l.state in NOT_READING for l in self.loads.values()):
+                self._fail_waiting(event.engine_id, f"producer {event.engine_id} unreachable "
+                                                    f"(heartbeat: {reply})")
+            return
+        for rid, alive in zip(event.request_ids, reply.alive):
+            load = self.loads.get(rid)
+            if load is None or load.engine_id != event.engine_id:
+                continue
+            if not alive:
+                if load.state in NOT_READING:
+                    self._fail(load, f"producer {event.engine_id} no longer holds the KV of "
+                                     f"{load.params.remote_request_id} (lease expired or released)")
+                continue
+            load.deadline = event.sent_at + reply.lease_s - max(0.1 * reply.lease_s, 0.05)
+            load.lease_s, load.quarantine_s = reply.lease_s, reply.quarantine_s
+            self._promote(load)
+
+    # --- decisions ------------------------------------------------------------------------------
+
+    def _promote(self, load: Load) -> None:
+        """WAITING_PEER -> READY once the producer is verified and has acknowledged the lease."""
+        peer = self.peers.get(load.engine_id)
+        if load.state != LoadState.WAITING_PEER or load.deadline is None \
+                or peer is None or peer.state != PeerState.READY:
+            return
+        pool_size = min((r.num_blocks for r in peer.agents.ranks), default=0)
+        too_big = [b for b in load.params.remote_block_ids if b >= pool_size]
+        if too_big:
+            return self._fail(load, f"kv_transfer_params.remote_block_ids {too_big[:4]} are beyond "
+                                    f"the producer's pool ({pool_size} blocks)")
+        load.move_to(LoadState.READY)
+
     def _finish(self, load: Load, stalled: bool = False) -> None:
         """Every rank reported (or, `stalled`, some never did within the READ timeout)."""
-        request = load.request
-        del self.loads[request.request_id]
+        del self.loads[load.request_id]
         failures = [r for r in load.results.values() if isinstance(r, ReadFailure)]
+        aborted = load.state == LoadState.ABORTING
         if not failures and not stalled:
             done = list(load.results.values())
             self.counters["kv_transfers"] += 1
             self.transfers.append({"num_bytes": sum(d.num_bytes for d in done),
                                    "num_descriptors": sum(d.num_descriptors for d in done),
                                    "duration_s": max(d.duration_s for d in done)})
-            request.kv_loaded = True
-            if load.state == LoadState.ABORTING:
-                self.engine.finish_aborted(request)
-            else:
-                self.engine.scheduler.remote_kv_loaded(request)
+            result = LoadResult.ABORTED if aborted else LoadResult.LOADED
+            self.outcome.loads.append(LoadOutcome(load.request_id, result))
             return
         self.counters["nixl_num_failed_transfers"] += 1
-        reasons = sorted({f.reason for f in failures}) or ["some ranks never reported their READ"]
-        if any(f.peer_gone for f in failures) or stalled:
-            self._evict_peer(load.params.remote_engine_id, "; ".join(reasons))
-        if stalled or any(f.in_doubt for f in failures):  # a READ may still land in these blocks
-            self.engine.pool.quarantine_blocks(request.block_ids,
-                                               time.monotonic() + 2 * self.config.transfer_timeout_s)
-            request.block_ids = []
-        if load.state == LoadState.ABORTING:
-            self.release(request, "client aborted")
-            self.engine.finish_aborted(request)
-            return
-        self._fail(load, f"KV transfer from producer {load.params.remote_engine_id} failed: "
-                         + "; ".join(reasons))
+        reasons = "; ".join(sorted({f.reason for f in failures}) or ["some ranks never reported their READ"])
+        if stalled or any(f.peer_gone for f in failures):
+            self._fail_waiting(load.engine_id, reasons)
+        until = None
+        if stalled or any(f.in_doubt for f in failures):
+            until = self.clock() + 2 * self.config.transfer_timeout_s
+        self._release(load, "client aborted" if aborted else reasons)
+        if aborted:
+            self.outcome.loads.append(LoadOutcome(load.request_id, LoadResult.ABORTED, quarantine_until=until))
+        else:
+            self._decide(load, f"KV transfer from producer {load.engine_id} failed: {reasons}", until)
 
     def _fail(self, load: Load, message: str) -> None:
-        """Policy `fail`: the client gets `message`; `recompute`: prefill here instead."""
-        request = load.request
-        self.loads.pop(request.request_id, None)
-        self.release(request, message)
-        if self.config.failure_policy == "recompute":
-            logger.warning("%s: %s; recomputing the prompt locally", request.request_id, message)
-            request.kv_load_failed = True
-            self.engine.scheduler.remote_kv_failed_recompute(request)
-        else:
-            logger.warning("%s: %s", request.request_id, message)
-            self.engine.fail_request(request, message)
+        """A load that is not reading cannot go on."""
+        self.loads.pop(load.request_id, None)
+        self._release(load, message)
+        self._decide(load, message, None)
 
-    def _evict_peer(self, engine_id: str, reason: str) -> None:
-        """Forget a producer (the next request naming it handshakes again). Its requests that have
-        not started reading cannot progress: they fail (or recompute) with `reason`; the ranks drop
-        its agents once their in-flight READs from it have ended."""
+    def _decide(self, load: Load, message: str, quarantine_until: float | None) -> None:
+        """Policy `fail`: the client gets `message`; `recompute`: prefill here instead."""
+        recompute = self.config.failure_policy == "recompute"
+        logger.warning("%s: %s%s", load.request_id, message, "; recomputing the prompt locally" * recompute)
+        result = LoadResult.RECOMPUTE if recompute else LoadResult.FAILED
+        self.outcome.loads.append(LoadOutcome(load.request_id, result, message, quarantine_until))
+
+    def _fail_waiting(self, engine_id: str, reason: str) -> None:
+        """Forget a producer (the next request naming it handshakes again). Its loads that are not
+        reading cannot progress; the ranks drop its agents once their READs from it have ended."""
         self.peers.evict(engine_id)
-        for load in [l for l in self.loads.values()
-                     if l.params.remote_engine_id == engine_id and l.state in WAITING]:
+        for load in [l for l in self.loads.values() if l.engine_id == engine_id and l.state in NOT_READING]:
             self._fail(load, reason)
 
-    def abort(self, request: Request) -> bool:
-        """True when the engine must wait (a READ into the request's blocks may be in flight)."""
-        load = self.loads.get(request.request_id)
-        if load is None:
-            return False
-        if load.state in (LoadState.READING, LoadState.ABORTING):
-            if load.state == LoadState.READING:
-                load.move_to(LoadState.ABORTING)
-            return True
-        del self.loads[request.request_id]
-        self.release(request, "client aborted")
-        return False
+    def _drop(self, load: Load, reason: str) -> None:
+        del self.loads[load.request_id]
+        self._release(load, reason)
 
-    def request_finished(self, request: Request) -> None:
-        """A consumer request ended before its KV was ever loaded (aborted while queued, say)."""
-        if not request.kv_loaded and request.request_id not in self.loads:
-            self.release(request, f"request ended ({request.status.value}) before reading")
+    # --- messages to the producer -----------------------------------------------------------------
 
-    # --- scheduling hints and counters ------------------------------------------------------------
+    def _heartbeat(self, engine_id: str, host: str, port: int, loads: list[Load]) -> None:
+        now = self.clock()
+        for load in loads:
+            load.last_heartbeat = now
+        self.counters["kv_heartbeats"] += 1
+        msg = Heartbeat(self.engine_id, self.tp_size, [l.params.remote_request_id for l in loads])
+        ids = [l.request_id for l in loads]
+        self.client.send(host, port, msg, self.config.handshake_timeout_s,
+                         lambda reply: self._event(HeartbeatReplied(engine_id, now, ids, reply)))
+
+    def _release(self, load: Load, reason: str) -> None:
+        """Tell the producer to free this request's blocks (once; it ignores repeats)."""
+        if load.released:
+            return
+        load.released = True
+        p = load.params
+        self.client.send(p.remote_host, p.remote_port, Release(self.engine_id, [p.remote_request_id], reason),
+                         self.config.handshake_timeout_s, lambda reply: None)
+
+    # --- timers -----------------------------------------------------------------------------------
 
     @property
     def has_ready(self) -> bool:
-        return any(l.state == LoadState.READY for l in self.loads.values()) or not self._events.empty()
+        return not self._events.empty() or any(l.state == LoadState.READY for l in self.loads.values())
 
     @property
     def is_reading(self) -> bool:
-        return any(l.state in (LoadState.READING, LoadState.ABORTING) for l in self.loads.values())
+        return any(l.state in IN_FLIGHT for l in self.loads.values())
 
     def _period(self, load: Load) -> float:
         """Heartbeats every third of the lease the producer acknowledged (never faster than 20/s)."""
@@ -306,6 +307,3 @@ class ConsumerSide:
         return {**self.counters, "nixl_handshakes": len(self.peers.engine_ids_seen),
                 "nixl_handshake_round_trips": self.peers.round_trips,
                 "nixl_handshake_failures": self.peers.failures}
-
-    def close(self) -> None:
-        self.client.close()

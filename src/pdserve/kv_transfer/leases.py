@@ -1,9 +1,10 @@
-"""Producer-side leases: who holds which blocks for a remote reader, until when (DESIGN §5).
+"""Producer-side leases: who holds which blocks for a remote reader, until when.
 
 Engine process of a producer. Shared by two threads under one lock: the side-channel thread renews
 (heartbeats) and releases (consumer gave up); the engine thread records rank notifications, expires
 leases and frees blocks. A lease is freed when every expected (consumer rank, producer rank) read
-has been notified (a set: duplicates cannot free early), on release, or on expiry.
+has been notified (a set: duplicates cannot free early), on release, or on expiry (docs/design.md,
+"Block lifecycle").
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ class Lease:
         assert state in _TRANSITIONS.get(self.state, ()), f"lease {self.request_id}: {self.state} -> {state}"
         self.state = state
 
-    def bind(self, consumer_engine_id: str, consumer_tp: int, producer_tp: int, num_kv_heads: int) -> bool:
+    def bind(self, consumer_engine_id: str, consumer_tp_size: int, producer_tp_size: int,
+             num_kv_heads: int) -> bool:
         """The first consumer to speak for this lease owns it; others are refused, and so is a
         consumer TP size that cannot shard the heads (it comes from the network)."""
         if self.consumer_engine_id is None:
             try:
-                self.expected = expected_reads(producer_tp, consumer_tp, num_kv_heads)
+                self.expected = expected_reads(producer_tp_size, consumer_tp_size, num_kv_heads)
             except (ValueError, TypeError, ZeroDivisionError):
                 return False
             self.consumer_engine_id = consumer_engine_id
@@ -53,9 +55,9 @@ class Lease:
 
 
 class LeaseTable:
-    def __init__(self, lease_s: float, producer_tp: int, num_kv_heads: int):
+    def __init__(self, lease_s: float, producer_tp_size: int, num_kv_heads: int):
         self.lease_s = lease_s
-        self.producer_tp = producer_tp
+        self.producer_tp_size = producer_tp_size
         self.num_kv_heads = num_kv_heads
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
@@ -73,7 +75,7 @@ class LeaseTable:
             self._leases[request_id] = lease
             return lease
 
-    def heartbeat(self, consumer_engine_id: str, consumer_tp: int, request_ids: list[str],
+    def heartbeat(self, consumer_engine_id: str, consumer_tp_size: int, request_ids: list[str],
                   now: float) -> list[bool]:
         """Renew each lease still held for this consumer; False for unknown or lost ones."""
         alive = []
@@ -82,7 +84,7 @@ class LeaseTable:
             for rid in request_ids:
                 lease = self._leases.get(rid)
                 ok = lease is not None and lease.state == LeaseState.HELD and lease.bind(
-                    consumer_engine_id, consumer_tp, self.producer_tp, self.num_kv_heads)
+                    consumer_engine_id, consumer_tp_size, self.producer_tp_size, self.num_kv_heads)
                 if ok:
                     lease.deadline = now + self.lease_s
                 alive.append(ok)
@@ -105,7 +107,8 @@ class LeaseTable:
         with self._lock:
             lease = self._leases.get(note.producer_request_id)
             if lease is None or lease.state != LeaseState.HELD or not lease.bind(
-                    note.consumer_engine_id, note.consumer_tp_size, self.producer_tp, self.num_kv_heads):
+                    note.consumer_engine_id, note.consumer_tp_size, self.producer_tp_size,
+                    self.num_kv_heads):
                 self.num_ignored += 1
                 return False
             if note.kind == NotificationKind.ABORT:

@@ -1,45 +1,78 @@
-"""One consumer request's remote KV load: its state (one enum, legal transitions in one place) and
-what the consumer knows about the producer's lease for it. Engine process of a decode instance."""
+"""One consumer request's remote KV load: its state (one enum, legal transitions in one place), what
+the consumer knows about the producer's lease for it, and the rule that params are used once.
+
+Engine process of a decode instance. A load lives from the moment the engine accepts the request's
+params (heartbeats keep the producer's lease from then on, queued or not) until its READ has ended
+or the request has.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from collections import OrderedDict
 
-from pdserve.engine.request import Request
 from pdserve.kv_transfer.messages import ReadDone, ReadFailure
+from pdserve.kv_transfer.params import KVTransferParams
+from pdserve.sampling_params import InvalidRequestError
 
 
 class LoadState(enum.Enum):
-    WAITING_PEER = "waiting_peer"  # handshake or first heartbeat acknowledgement outstanding
-    READY = "ready"  # next step sends the READ
+    QUEUED = "queued"  # params accepted; the request waits for local blocks
+    WAITING_PEER = "waiting_peer"  # blocks allocated; handshake or first acknowledgement outstanding
+    READY = "ready"  # the next step posts the READ
     READING = "reading"  # waiting for every rank's report
     ABORTING = "aborting"  # the client left while reading: end once every rank has reported
 
 
 _TRANSITIONS = {
+    LoadState.QUEUED: {LoadState.WAITING_PEER},
     LoadState.WAITING_PEER: {LoadState.READY},
     LoadState.READY: {LoadState.READING},
     LoadState.READING: {LoadState.ABORTING},
 }
-WAITING = (LoadState.WAITING_PEER, LoadState.READY)
+NOT_READING = (LoadState.QUEUED, LoadState.WAITING_PEER, LoadState.READY)  # can end at once
+IN_FLIGHT = (LoadState.READING, LoadState.ABORTING)  # a READ into the local blocks may be live
 
 
 @dataclasses.dataclass
 class Load:
-    request: Request
-    state: LoadState = LoadState.WAITING_PEER
+    request_id: str
+    params: KVTransferParams
+    state: LoadState = LoadState.QUEUED
+    block_ids: list[int] = dataclasses.field(default_factory=list)  # local, from admission
     deadline: float | None = None  # monotonic; no READ may be posted after it
     lease_s: float | None = None  # the producer's, from its acknowledgement
     quarantine_s: float = 0.0  # the producer's; our READ timeout stays below half of it
     last_heartbeat: float = 0.0
     reports_due: float = 0.0  # READING: the ranks must have reported by then
     results: dict[int, ReadDone | ReadFailure] = dataclasses.field(default_factory=dict)
+    released: bool = False  # the producer was told to free its blocks
 
     @property
-    def params(self):
-        return self.request.kv_transfer
+    def engine_id(self) -> str:
+        return self.params.remote_engine_id
 
     def move_to(self, state: LoadState) -> None:
-        assert state in _TRANSITIONS.get(self.state, ()), f"{self.request.request_id}: {self.state} -> {state}"
+        assert state in _TRANSITIONS.get(self.state, ()), f"{self.request_id}: {self.state} -> {state}"
         self.state = state
+
+
+class Claims:
+    """One producer request's KV is read by one consumer request, once: a second request with the
+    same params (a retried decode leg) could otherwise read blocks the producer freed after the
+    first read."""
+
+    def __init__(self, kept: int = 1 << 16):
+        self.kept = kept
+        self._claimed: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    def claim(self, params: KVTransferParams) -> None:
+        key = (params.remote_engine_id, params.remote_request_id)
+        if key in self._claimed:
+            raise InvalidRequestError("kv_transfer_params.remote_request_id",
+                                      f"{params.remote_request_id!r} of producer "
+                                      f"{params.remote_engine_id!r} was already used by another request")
+        self._claimed[key] = None
+        if len(self._claimed) > self.kept:
+            self._claimed.popitem(last=False)

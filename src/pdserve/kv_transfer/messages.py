@@ -50,17 +50,19 @@ class PeerAgents(msgspec.Struct, frozen=True):
     """A producer engine reached by a handshake; each rank loads only the agents it reads from."""
 
     engine_id: str
-    tp_size: int
+    producer_tp_size: int
     ranks: list[RankAgent]
 
 
 class ReadSpec(msgspec.Struct, frozen=True):
+    """One request's READ; each rank reads its heads from the producer ranks the plan names (the
+    producer's TP size is the loaded peer's, from the handshake)."""
+
     request_id: str  # consumer's
-    engine_id: str
+    engine_id: str  # producer's
     remote_request_id: str
     remote_block_ids: list[int]
     local_block_ids: list[int]
-    remote_tp_size: int
     deadline: float  # time.monotonic(): never post the READ after this (the producer's lease)
     timeout_s: float  # abandon the READ after this long (below the producer's quarantine)
 
@@ -92,6 +94,7 @@ class Notification(msgspec.Struct, frozen=True):
 
 class ReceivedNotification(msgspec.Struct, frozen=True):
     producer_rank: int
+    sender: str  # the transport agent it came from
     notification: Notification
 
 
@@ -136,7 +139,7 @@ class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply"):
 
 
 class HandshakePayload(msgspec.Struct, frozen=True):
-    tp_size: int
+    producer_tp_size: int
     ranks: list[RankAgent]
 
 

@@ -1,8 +1,9 @@
-"""`kv_transfer_params`: the per-request P/D wire (DESIGN §2), parsed once at the HTTP boundary.
+"""`kv_transfer_params`: the per-request P/D wire (docs/design.md, "Wire"), parsed once at the edge.
 
-Server process. Key names follow vLLM's NIXL connector; `null` means absent. Everything that can be
-checked without talking to the producer is checked here, and each failure names the field, so a bad
-request is a 400 before anything is allocated.
+Server process. Key names follow vLLM's NIXL connector (the producer's TP size travels as `tp_size`,
+`producer_tp_size` inside pdserve); `null` means absent. Everything that can be checked without
+talking to the producer is checked here, and each failure names the field, so a bad request is a
+400 before anything is allocated.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class KVTransferParams:
     remote_port: int | None = None
     remote_block_ids: tuple[int, ...] | None = None
     remote_request_id: str | None = None
-    tp_size: int | None = None
+    producer_tp_size: int | None = None  # the wire's `tp_size`
     first_token: FirstToken | None = None
     prompt_hash: str | None = None
     lease_s: float | None = None
@@ -65,7 +66,7 @@ class KVTransferParams:
             remote_port=p.int("remote_port", lo=1, hi=65535),
             remote_block_ids=p.int_list("remote_block_ids"),
             remote_request_id=p.str("remote_request_id"),
-            tp_size=p.int("tp_size", lo=1),
+            producer_tp_size=p.int("tp_size", lo=1),
             first_token=p.first_token(),
             prompt_hash=p.str("prompt_hash"),
             lease_s=p.float("lease_s", lo=0.0),
@@ -74,9 +75,12 @@ class KVTransferParams:
             raise InvalidRequestError(f"{FIELD}.do_remote_prefill",
                                       "cannot be set together with do_remote_decode")
         if params.do_remote_prefill:
-            for name in ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids",
-                         "remote_request_id", "tp_size", "first_token_id"):
-                value = params.first_token if name == "first_token_id" else getattr(params, name)
+            for name, value in (("remote_engine_id", params.remote_engine_id),
+                                ("remote_host", params.remote_host), ("remote_port", params.remote_port),
+                                ("remote_block_ids", params.remote_block_ids),
+                                ("remote_request_id", params.remote_request_id),
+                                ("tp_size", params.producer_tp_size),
+                                ("first_token_id", params.first_token)):
                 if value is None:
                     raise InvalidRequestError(f"{FIELD}.{name}", "is required with do_remote_prefill")
         return params
@@ -96,17 +100,17 @@ class KVTransferParams:
             raise InvalidRequestError(f"{FIELD}.prompt_hash",
                                       "does not match this request's prompt tokens")
         try:
-            check_tp_size(self.tp_size, num_heads, num_kv_heads)
+            check_tp_size(self.producer_tp_size, num_heads, num_kv_heads)
         except ValueError as e:
             raise InvalidRequestError(f"{FIELD}.tp_size",
-                                      f"producer tp_size={self.tp_size} cannot map onto this model "
+                                      f"producer tp_size={self.producer_tp_size} cannot map onto this model "
                                       f"(local tp_size={local_tp}): {e}") from None
         if not 0 <= self.first_token.token_id < vocab_size:
             raise InvalidRequestError(f"{FIELD}.first_token_id",
                                       f"{self.first_token.token_id} is outside the vocabulary")
 
     def to_json(self) -> dict:
-        """The producer's answer (DESIGN §2), JSON-ready."""
+        """The producer's answer, JSON-ready (vLLM's key names)."""
         out = {
             "do_remote_decode": False,
             "do_remote_prefill": True,
@@ -115,7 +119,7 @@ class KVTransferParams:
             "remote_port": self.remote_port,
             "remote_block_ids": list(self.remote_block_ids),
             "remote_request_id": self.remote_request_id,
-            "tp_size": self.tp_size,
+            "tp_size": self.producer_tp_size,
             "first_token_id": self.first_token.token_id,
             "prompt_hash": self.prompt_hash,
             "lease_s": self.lease_s,

@@ -1,79 +1,79 @@
-"""The scheduler side of the KV connector: what the engine and scheduler talk to.
+"""The scheduler side of the KV connector: the one object the engine talks to.
 
 Engine process. Composes the two roles (an instance can produce for one request and consume for
-another) and speaks to the TP ranks only through per-step `ConnectorMetadata` down and per-step
-`ConnectorReport`s up.
+another). The engine hands it plain values (request ids, params, block ids) and applies the typed
+outcomes it returns (outcomes.py) to its own scheduler and block pool; nothing here holds a handle
+to the engine. The TP ranks are reached only through per-step `ConnectorMetadata` down and
+`ConnectorReport`s up (docs/design.md, "The connector seam"). `NoConnector` is the same interface
+for an instance started without P/D.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from pdserve.config import KVTransferConfig
-from pdserve.engine.request import Request
 from pdserve.kv_transfer.consumer import ConsumerSide
 from pdserve.kv_transfer.messages import ConnectorMetadata, ConnectorReport, Fingerprint, RankAgent
+from pdserve.kv_transfer.outcomes import ConnectorOutcome, Handoff
+from pdserve.kv_transfer.params import FirstToken, KVTransferParams
 from pdserve.kv_transfer.producer import ProducerSide
+from pdserve.sampling_params import InvalidRequestError
 
 POLL_S = 0.001  # step cadence while READs are in flight (their completion reports come up per step)
 LEASE_POLL_S = 0.002  # while this instance holds leased blocks (ranks poll NIXL every 1 ms themselves)
 
 
-def fingerprint_of(engine) -> Fingerprint:
-    spec = engine.spec
-    return Fingerprint(model=spec.fingerprint(), dtype=str(engine.dtype).replace("torch.", ""),
-                       num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
-                       head_dim=spec.head_dim, block_size=engine.config.cache.block_size)
-
-
 class SchedulerConnector:
-    def __init__(self, engine, config: KVTransferConfig, rank_agents: list[RankAgent]):
-        self.engine = engine
-        self.fingerprint = fingerprint_of(engine)
-        self.producer = ProducerSide(engine, config, rank_agents, self.fingerprint)
-        self.consumer = ConsumerSide(engine, config, self.fingerprint, len(rank_agents))
+    def __init__(self, config: KVTransferConfig, engine_id: str, fingerprint: Fingerprint,
+                 rank_agents: list[RankAgent], network=None,
+                 clock: Callable[[], float] = time.monotonic, wake: Callable[[], None] = lambda: None):
+        """`network` makes the side channel's server and client (default: ZMQ); `wake` ends the
+        engine loop's sleep when a side-channel reply arrives (called on another thread)."""
+        if network is None:
+            from pdserve.kv_transfer.side_channel import ZmqNetwork
+            network = ZmqNetwork(config.secret)
+        self.engine_id = engine_id
+        self.outcome = ConnectorOutcome()
+        self.producer = ProducerSide(config, engine_id, fingerprint, rank_agents, network, self.outcome, clock)
+        self.client = network.client()
+        self.consumer = ConsumerSide(config, engine_id, fingerprint, len(rank_agents),
+                                     fingerprint.num_kv_heads, self.client, self.outcome, clock, wake)
         self._ranks_polling = False
 
     # --- per request ----------------------------------------------------------------------------
 
-    @staticmethod
-    def is_producer(request: Request) -> bool:
-        return request.kv_transfer is not None and request.kv_transfer.do_remote_decode
+    def add_request(self, request_id: str, params: KVTransferParams | None) -> None:
+        """Last check before the engine keeps a request (raises InvalidRequestError); a consumer
+        request's load starts here."""
+        if params is not None and params.do_remote_prefill:
+            self.consumer.add(request_id, params)
 
-    @staticmethod
-    def wants_remote_kv(request: Request) -> bool:
-        return request.kv_transfer is not None and request.kv_transfer.do_remote_prefill \
-            and not request.kv_load_failed
+    def start_loads(self, admitted: list[tuple[str, list[int]]]) -> ConnectorOutcome:
+        """Consumer requests the scheduler just gave local blocks: (request id, block ids)."""
+        for request_id, block_ids in admitted:
+            self.consumer.admit(request_id, block_ids)
+        return self.outcome.take()
 
-    def claim(self, params) -> None:
-        """Called by add_request for a consumer request (may raise InvalidRequestError)."""
-        self.consumer.claim(params)
+    def abort(self, request_id: str) -> bool:
+        """True when the engine must wait for the request's ABORTED outcome (READs in flight)."""
+        return self.consumer.abort(request_id)
 
-    def start_load(self, request: Request) -> None:
-        self.consumer.start(request)
+    def hand_off(self, request_id: str, prompt_token_ids: list[int], block_ids: list[int],
+                 first_token: FirstToken) -> Handoff:
+        return self.producer.hand_off(request_id, prompt_token_ids, block_ids, first_token)
 
-    def abort_load(self, request: Request) -> bool:
-        return self.consumer.abort(request)
-
-    def request_finished(self, request: Request) -> bool:
-        """True when the producer keeps the blocks for a remote reader."""
-        if self.wants_remote_kv(request):
-            self.consumer.request_finished(request)
-        return self.producer.request_finished(request)
-
-    @property
-    def num_loading(self) -> int:
-        return len(self.consumer.loads)
-
-    def take_transfer_params(self, request: Request) -> dict | None:
-        return self.producer.take_params(request)
+    def request_finished(self, request_id: str) -> None:
+        self.consumer.finished(request_id)
 
     # --- per step -------------------------------------------------------------------------------
 
-    def tick(self) -> None:
-        now = time.monotonic()
-        self.producer.tick(now)
-        self.consumer.tick(now)
+    def tick(self) -> ConnectorOutcome:
+        """Timers and side-channel replies; returns every decision made since the last call."""
+        self.producer.tick()
+        self.consumer.tick()
+        return self.outcome.take()
 
     def build_metadata(self) -> ConnectorMetadata | None:
         """None when the ranks have nothing to do and nothing to report (the step can be skipped)."""
@@ -82,28 +82,27 @@ class SchedulerConnector:
         if not (peers or evict or reads or polling or self._ranks_polling or self.consumer.is_reading):
             return None
         self._ranks_polling = polling
-        return ConnectorMetadata(consumer_engine_id=self.engine.engine_id, load_peers=peers,
+        return ConnectorMetadata(consumer_engine_id=self.engine_id, load_peers=peers,
                                  evict_peers=evict, reads=reads, poll_notifications=polling)
 
-    def process_reports(self, reports: list[ConnectorReport | None]) -> None:
+    def process_reports(self, reports: list[ConnectorReport | None]) -> ConnectorOutcome:
         reports = [r or ConnectorReport() for r in reports]
         self.producer.process_notifications([n for r in reports for n in r.notifications],
                                             sum(r.num_bad_notifications for r in reports))
         self.consumer.process(reports)
+        return self.outcome.take()
 
     def needs_step(self) -> bool:
-        return self.consumer.has_ready
+        return self.consumer.has_ready or bool(self.outcome)
 
-    def wakeup_in(self) -> float:
-        """Seconds the engine loop may sleep before the connector needs a step."""
+    def wakeup_in(self, now: float) -> float | None:
+        """Seconds the engine loop may sleep before the connector needs a step (None: no timer)."""
         if self.consumer.is_reading:
             return POLL_S
         if self.producer.has_leases:
             return LEASE_POLL_S
-        now = time.monotonic()
-        timers = [t for t in (self.producer.next_deadline(), self.consumer.next_heartbeat())
-                  if t is not None]
-        return max(0.0, min(timers) - now) if timers else 1.0
+        timers = [t for t in (self.producer.next_deadline(), self.consumer.next_heartbeat()) if t is not None]
+        return max(0.0, min(timers) - now) if timers else None
 
     def stats(self, drain: bool) -> dict:
         c = self.consumer
@@ -115,9 +114,52 @@ class SchedulerConnector:
                "peers": sorted(c.peers.peers)}
         if drain:
             c.transfers.clear()
-            c.peers.latencies.clear()
+            c.peers.take_latencies()
         return out
 
     def close(self) -> None:
         self.producer.close()
-        self.consumer.close()
+        self.client.close()
+
+
+class NoConnector:
+    """An instance started without P/D: refuses P/D params and never decides anything."""
+
+    def add_request(self, request_id: str, params: KVTransferParams | None) -> None:
+        if params is not None and (params.do_remote_decode or params.do_remote_prefill):
+            raise InvalidRequestError("kv_transfer_params",
+                                      "this instance was started without a KV transfer connector")
+
+    def start_loads(self, admitted: list[tuple[str, list[int]]]) -> ConnectorOutcome:
+        assert not admitted, "no request wants remote KV without a connector"
+        return ConnectorOutcome()
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+    def hand_off(self, *args) -> Handoff:
+        raise AssertionError("no request hands off without a connector")
+
+    def request_finished(self, request_id: str) -> None:
+        pass
+
+    def tick(self) -> ConnectorOutcome:
+        return ConnectorOutcome()
+
+    def build_metadata(self) -> None:
+        return None
+
+    def process_reports(self, reports) -> ConnectorOutcome:
+        return ConnectorOutcome()
+
+    def needs_step(self) -> bool:
+        return False
+
+    def wakeup_in(self, now: float) -> None:
+        return None
+
+    def stats(self, drain: bool) -> None:
+        return None
+
+    def close(self) -> None:
+        pass

@@ -1,4 +1,4 @@
-"""The ZMQ side channel between a consumer engine and a producer engine (DESIGN §3).
+"""The ZMQ side channel between a consumer engine and a producer engine (docs/design.md, "Handshake").
 
 Engine processes, one background thread on each side, so no ZMQ socket is shared between threads
 and the step loop never waits on the network:
@@ -7,6 +7,7 @@ and the step loop never waits on the network:
   its own timeout, so handshakes with different producers run concurrently.
 Frames are [hmac, seq, msgpack body]; with a shared secret every request and reply carries an
 HMAC-SHA256 of seq + body, and the server refuses requests whose HMAC does not verify.
+`ZmqNetwork` makes both; `transport.loopback.LoopbackNetwork` is its in-process stand-in.
 """
 
 from __future__ import annotations
@@ -43,6 +44,19 @@ def _mac(secret: bytes | None, seq: bytes, body: bytes) -> bytes:
 
 def _verify(secret: bytes | None, mac: bytes, seq: bytes, body: bytes) -> bool:
     return not secret or hmac.compare_digest(mac, _mac(secret, seq, body))
+
+
+class ZmqNetwork:
+    """The side channel's real network: ZMQ over TCP, HMAC-signed when a secret is set."""
+
+    def __init__(self, secret: bytes | None):
+        self.secret = secret
+
+    def serve(self, host: str, port: int, handler: Callable[[object], object]) -> "SideChannelServer":
+        return SideChannelServer(host, port, self.secret, handler)
+
+    def client(self) -> "SideChannelClient":
+        return SideChannelClient(self.secret)
 
 
 class SideChannelServer:

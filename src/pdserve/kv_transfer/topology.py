@@ -1,9 +1,9 @@
-"""Which producer rank each consumer rank reads which KV heads from (DESIGN §4), as one pure function.
+"""Which producer rank each consumer rank reads which KV heads from, as one pure function.
 
 Used by the consumer (what to read, whom to handshake with) and by the producer (which reads to
 expect before freeing a request's blocks), so both sides agree by construction. Thinks in global KV
-heads: a consumer head is read from exactly one producer rank that holds it, the replica chosen by
-consumer rank when the producer replicates heads.
+heads (docs/design.md, "The TP plan"): a consumer head is read from exactly one producer rank that
+holds it, the replica chosen by consumer rank when the producer replicates heads.
 """
 
 from __future__ import annotations
@@ -27,19 +27,21 @@ class HeadSlice:
 
 
 @functools.lru_cache(maxsize=256)
-def read_plan(producer_tp: int, consumer_tp: int, num_kv_heads: int) -> tuple[tuple[HeadSlice, ...], ...]:
+def read_plan(producer_tp_size: int, consumer_tp_size: int,
+              num_kv_heads: int) -> tuple[tuple[HeadSlice, ...], ...]:
     """Per consumer rank, the slices it reads (consecutive heads from one producer rank merged)."""
-    for tp in (producer_tp, consumer_tp):
+    for tp in (producer_tp_size, consumer_tp_size):
         if tp < 1 or (num_kv_heads % tp and tp % num_kv_heads):
             raise ValueError(f"tp_size={tp} cannot shard {num_kv_heads} KV heads")
     plan = []
-    for c in range(consumer_tp):
-        mine = kv_head_range(c, consumer_tp, num_kv_heads)
+    for c in range(consumer_tp_size):
+        mine = kv_head_range(c, consumer_tp_size, num_kv_heads)
         slices: list[HeadSlice] = []
         for h in mine:
-            holders = [p for p in range(producer_tp) if h in kv_head_range(p, producer_tp, num_kv_heads)]
+            holders = [p for p in range(producer_tp_size)
+                       if h in kv_head_range(p, producer_tp_size, num_kv_heads)]
             p = holders[c % len(holders)]
-            p_offset = h - kv_head_range(p, producer_tp, num_kv_heads).start
+            p_offset = h - kv_head_range(p, producer_tp_size, num_kv_heads).start
             c_offset = h - mine.start
             last = slices[-1] if slices else None
             if last and last.producer_rank == p and last.first_head + last.num_heads == h \
@@ -51,13 +53,15 @@ def read_plan(producer_tp: int, consumer_tp: int, num_kv_heads: int) -> tuple[tu
     return tuple(plan)
 
 
-def producer_ranks_for(consumer_rank: int, producer_tp: int, consumer_tp: int,
+def producer_ranks_for(consumer_rank: int, producer_tp_size: int, consumer_tp_size: int,
                        num_kv_heads: int) -> list[int]:
     """The producer ranks one consumer rank handshakes with and reads from."""
-    return sorted({s.producer_rank for s in read_plan(producer_tp, consumer_tp, num_kv_heads)[consumer_rank]})
+    plan = read_plan(producer_tp_size, consumer_tp_size, num_kv_heads)
+    return sorted({s.producer_rank for s in plan[consumer_rank]})
 
 
-def expected_reads(producer_tp: int, consumer_tp: int, num_kv_heads: int) -> frozenset[tuple[int, int]]:
+def expected_reads(producer_tp_size: int, consumer_tp_size: int,
+                   num_kv_heads: int) -> frozenset[tuple[int, int]]:
     """Every (consumer rank, producer rank) pair that must report its read before blocks are freed."""
-    return frozenset((s.consumer_rank, s.producer_rank)
-                     for slices in read_plan(producer_tp, consumer_tp, num_kv_heads) for s in slices)
+    plan = read_plan(producer_tp_size, consumer_tp_size, num_kv_heads)
+    return frozenset((s.consumer_rank, s.producer_rank) for slices in plan for s in slices)

@@ -185,10 +185,8 @@ class AsyncEngine:
             return ...
 
     def _idle_wait(self) -> float:
-        connector = self.engine.connector
-        if connector is not None:
-            return max(0.0005, min(IDLE_WAIT_S, connector.wakeup_in()))
-        return IDLE_WAIT_S
+        timer = self.engine.wakeup_in()
+        return IDLE_WAIT_S if timer is None else max(0.0005, min(IDLE_WAIT_S, timer))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         pairs = []

@@ -1,8 +1,8 @@
-"""The only code that knows NIXL: one agent per TP rank, host (DRAM) or GPU (VRAM) memory.
+"""The only code that knows NIXL: an `Agent` (transport/base.py) on host (DRAM) or GPU (VRAM) memory.
 
-TP rank process, called from that rank's single NIXL thread (agents are not thread-safe). NIXL's
-own progress thread is off (in nixl 1.5.1 it busy-polls): the owner makes progress by calling in
-(`state`, `notifications`) often enough while transfers or leases are live.
+TP rank process, called from one thread per agent (agents are not thread-safe). NIXL's own progress
+thread is off (in nixl 1.5.1 it busy-polls): the owner makes progress by calling in (`state`,
+`notifications`) often enough while transfers or leases are live.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+
+from pdserve.transport.base import TransferError, XferState
 
 logger = logging.getLogger(__name__)
 
@@ -20,10 +22,6 @@ def _import_nixl():
     except ImportError:  # pragma: no cover - other NIXL packagings
         from nixl._api import nixl_agent, nixl_agent_config
     return nixl_agent, nixl_agent_config
-
-
-class TransferError(RuntimeError):
-    pass
 
 
 class NixlAgent:
@@ -83,13 +81,13 @@ class NixlAgent:
             raise TransferError(f"posting a READ from {peer} failed")
         return handle
 
-    def state(self, handle) -> str:
-        """'DONE', 'PROC' or 'ERR' (also drives progress)."""
+    def state(self, handle) -> XferState:
+        """Also drives progress."""
         try:
-            return self._agent.check_xfer_state(handle)
+            return XferState(self._agent.check_xfer_state(handle))
         except Exception as e:  # noqa: BLE001
             logger.warning("transfer state: %s", e)
-            return "ERR"
+            return XferState.ERR
 
     def release(self, handle) -> None:
         try:

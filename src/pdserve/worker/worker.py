@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection
 import msgspec
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, KVTransferConfig
 from pdserve.model.loader import load_model
 from pdserve.model.parallel import TPGroup, make_group
 from pdserve.model.spec import ModelSpec, resolve_dtype
@@ -66,9 +66,8 @@ class Worker:
         self.sampler = Sampler(spec.vocab_size) if rank == 0 else None
         self.connector = None
         if config.kv_transfer is not None:
-            from pdserve.kv_transfer.worker_side import WorkerConnector
-            self.connector = WorkerConnector(config.kv_transfer, spec, rank, tp_size,
-                                             self.kv_cache, engine_id)
+            self.connector = kv_connector(config.kv_transfer, spec, rank, tp_size, self.kv_cache,
+                                               engine_id)
 
     def rank_agent(self):
         return self.connector.rank_agent() if self.connector else None
@@ -104,6 +103,20 @@ class Worker:
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
+
+
+def kv_connector(config: KVTransferConfig, spec: ModelSpec, rank: int, tp_size: int,
+                      kv_cache: KVCache, engine_id: str):
+    """This rank's half of the connector, on its cache, over NIXL."""
+    from pdserve.kv_transfer.descriptors import RegionTable
+    from pdserve.kv_transfer.worker_side import RegisteredCache, WorkerConnector
+    from pdserve.transport.nixl_agent import NixlAgent
+    layout = kv_cache.layout
+    cache = RegisteredCache(kv_cache.base_address, layout.total_bytes, str(kv_cache.buffer.device),
+                            RegionTable(tuple(kv_cache.region_addresses()), layout.block_bytes,
+                                        layout.head_bytes, layout.num_kv_heads, layout.num_blocks))
+    return WorkerConnector(config, spec.num_kv_heads, rank, tp_size, cache, engine_id,
+                           lambda name: NixlAgent(name, config.backend))
 
 
 _decoder = msgspec.msgpack.Decoder(StepInput | Shutdown | DebugCall)

@@ -1,0 +1,202 @@
+"""An in-process P/D pair for the connector's unit tests, in milliseconds and without a model.
+
+Each `Instance` is the real scheduler-side connector and one real worker-side connector per TP rank
+(no threads: a step runs them in turn), a real BlockPool, KV caches in numpy arrays, the loopback
+fabric and network (transport/loopback.py) and a fake clock. `step` is an engine step without the
+model: tick, apply, build metadata, run the ranks, process their reports, apply. Producer blocks
+are filled with a pattern that names (request, layer, K/V, global head, position, dim), so a test
+checks the consumer received exactly the right bytes for any pair of TP sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from pdserve.config import KVTransferConfig
+from pdserve.engine.block_pool import BlockPool
+from pdserve.kv_transfer.descriptors import RegionTable
+from pdserve.kv_transfer.messages import Fingerprint
+from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadOutcome, LoadResult
+from pdserve.kv_transfer.params import FirstToken, KVTransferParams
+from pdserve.kv_transfer.scheduler_side import SchedulerConnector
+from pdserve.kv_transfer.worker_side import RegisteredCache, WorkerConnector
+from pdserve.model.parallel import kv_head_range
+from pdserve.transport.loopback import LoopbackFabric, LoopbackNetwork
+
+NUM_LAYERS, HEAD_DIM, BLOCK_SIZE = 2, 2, 4
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def config(**kw) -> KVTransferConfig:
+    kw = {"lease_s": 30.0, "handshake_timeout_s": 5.0, "transfer_timeout_s": 10.0, **kw}
+    return KVTransferConfig(**kw)
+
+
+class Instance:
+    def __init__(self, name: str, tp_size: int, world: "World", num_kv_heads: int = 4, num_blocks: int = 32,
+                 model: str = "m", **config_kw):
+        self.engine_id = name
+        self.tp_size = tp_size
+        self.world = world
+        self.num_kv_heads = num_kv_heads
+        self.pool = BlockPool(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
+        self.config = config(**config_kw)
+        self.local_heads = [kv_head_range(r, tp_size, num_kv_heads) for r in range(tp_size)]
+        self.caches = [np.zeros((NUM_LAYERS, 2, num_blocks, len(h), BLOCK_SIZE, HEAD_DIM), np.float32)
+                       for h in self.local_heads]
+        self.workers = [WorkerConnector(self.config, num_kv_heads, r, tp_size, _registered(c), name,
+                                        world.fabric.agent, threaded=False, clock=world.clock)
+                        for r, c in enumerate(self.caches)]
+        fingerprint = Fingerprint(model, "float32", NUM_LAYERS, num_kv_heads, HEAD_DIM, BLOCK_SIZE)
+        self.connector = SchedulerConnector(self.config, name, fingerprint,
+                                            [w.rank_agent() for w in self.workers],
+                                            network=world.network, clock=world.clock)
+        self.blocks: dict[str, list[int]] = {}  # request id -> local blocks (what the engine would own)
+        self.outcomes: list[LoadOutcome] = []
+
+    # --- the engine's part ------------------------------------------------------------------------
+
+    def step(self) -> None:
+        self.pool.release_quarantine(self.world.clock())
+        self.apply(self.connector.tick())
+        meta = self.connector.build_metadata()
+        for w in self.workers:
+            if meta is not None:
+                w.start_step(meta)
+            w.run_once()
+        self.apply(self.connector.process_reports([w.report() for w in self.workers]))
+
+    def apply(self, outcome: ConnectorOutcome) -> None:
+        """What Engine._apply does, on the pool and the test's block table."""
+        if outcome.free_blocks:
+            self.pool.release(outcome.free_blocks)
+        for until, blocks in outcome.quarantine:
+            self.pool.quarantine_blocks(blocks, until)
+        for o in outcome.loads:
+            self.outcomes.append(o)
+            blocks = self.blocks.get(o.request_id, [])
+            if o.quarantine_until is not None:
+                self.pool.quarantine_blocks(blocks, o.quarantine_until)
+                self.blocks[o.request_id] = blocks = []
+            if o.result != LoadResult.LOADED:
+                self.finish(o.request_id)
+
+    def finish(self, request_id: str) -> None:
+        """The request ends here (its blocks are freed, the connector hears of it)."""
+        blocks = self.blocks.pop(request_id, [])
+        if blocks:
+            self.pool.release(blocks)
+        self.connector.request_finished(request_id)
+
+    def outcome(self, request_id: str) -> LoadOutcome | None:
+        return next((o for o in self.outcomes if o.request_id == request_id), None)
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free_blocks
+
+    # --- producer ---------------------------------------------------------------------------------
+
+    def prefill(self, request_id: str, num_tokens: int, seed: int = 1) -> dict:
+        """Compute (fill) a prompt's blocks and hand them off; returns the params of the answer."""
+        num_blocks = -(-(num_tokens + 1) // BLOCK_SIZE)  # the first token's slot, as the engine has
+        blocks = self.pool.allocate(num_blocks)
+        for cache, heads in zip(self.caches, self.local_heads):
+            for i, b in enumerate(blocks):
+                cache[:, :, b] = pattern(seed, heads, range(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE))
+        handoff = self.connector.hand_off(request_id, list(range(num_tokens)), blocks, FirstToken(7))
+        rest = [b for b in blocks if b not in handoff.block_ids]
+        self.pool.release(rest)
+        return handoff.params
+
+    # --- consumer ---------------------------------------------------------------------------------
+
+    def receive(self, request_id: str, params: dict) -> None:
+        """add_request: the params are accepted (raises InvalidRequestError)."""
+        self.connector.add_request(request_id, KVTransferParams.parse(params))
+
+    def admit(self, request_id: str, num_tokens: int) -> list[int]:
+        """The scheduler gives the request its blocks (prompt + first token)."""
+        blocks = self.pool.allocate(-(-(num_tokens + 1) // BLOCK_SIZE))
+        self.blocks[request_id] = blocks
+        self.apply(self.connector.start_loads([(request_id, blocks)]))
+        return blocks
+
+    def kv(self, request_id: str, num_tokens: int) -> np.ndarray:
+        """The request's KV as global heads: [layers, K/V, heads, tokens, dim]."""
+        blocks = self.blocks[request_id]
+        out = np.zeros((NUM_LAYERS, 2, self.num_kv_heads, len(blocks) * BLOCK_SIZE, HEAD_DIM), np.float32)
+        for cache, heads in zip(self.caches, self.local_heads):
+            data = cache[:, :, blocks]  # [L, 2, blocks, heads, block, dim]
+            data = data.transpose(0, 1, 3, 2, 4, 5).reshape(NUM_LAYERS, 2, len(heads), -1, HEAD_DIM)
+            out[:, :, heads.start:heads.stop] = data
+        return out[:, :, :, :num_tokens]
+
+    def close(self) -> None:
+        self.connector.close()
+        for w in self.workers:
+            w.close()
+
+
+def pattern(seed: int, heads: range, positions: range) -> np.ndarray:
+    """[layers, K/V, heads, positions, dim] values that name their place."""
+    l, kv, h, p, d = np.meshgrid(np.arange(NUM_LAYERS), np.arange(2), np.array(heads), np.array(positions),
+                                 np.arange(HEAD_DIM), indexing="ij")
+    return (seed * 1e6 + l * 1e5 + kv * 1e4 + h * 1e3 + p * 10 + d).astype(np.float32)
+
+
+def expected_kv(seed: int, num_kv_heads: int, num_tokens: int) -> np.ndarray:
+    return pattern(seed, range(num_kv_heads), range(num_tokens))
+
+
+def _registered(cache: np.ndarray) -> RegisteredCache:
+    num_blocks, heads = cache.shape[2], cache.shape[3]
+    head_bytes = BLOCK_SIZE * HEAD_DIM * cache.itemsize
+    block_bytes = heads * head_bytes
+    base = cache.ctypes.data
+    regions = tuple(base + i * num_blocks * block_bytes for i in range(NUM_LAYERS * 2))
+    return RegisteredCache(base, cache.nbytes, "cpu",
+                           RegionTable(regions, block_bytes, head_bytes, heads, num_blocks))
+
+
+@dataclasses.dataclass
+class World:
+    """One fabric, one side-channel network, one clock: what a test's instances share."""
+
+    clock: Clock = dataclasses.field(default_factory=Clock)
+    fabric: LoopbackFabric = None
+    network: LoopbackNetwork = None
+    instances: list[Instance] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.fabric = self.fabric or LoopbackFabric(self.clock)
+        self.network = self.network or LoopbackNetwork(self.clock)
+
+    def instance(self, name: str, tp_size: int = 1, **kw) -> Instance:
+        inst = Instance(name, tp_size, self, **kw)
+        self.instances.append(inst)
+        return inst
+
+    def run(self, steps: int = 6, advance_s: float = 0.0) -> None:
+        """Steps of every instance, side-channel replies delivered in between."""
+        for _ in range(steps):
+            self.network.pump()
+            for inst in self.instances:
+                inst.step()
+            self.clock.advance(advance_s)
+
+    def close(self) -> None:
+        for inst in self.instances:
+            inst.close()
