@@ -1,4 +1,4 @@
-"""Session fixtures: generated models (made once), engines (started once), and the §7 report."""
+"""Session fixtures: generated models (made once), engines (started once), and the correctness report."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def make_llm():
 
 def pytest_terminal_summary(terminalreporter):
     tr = terminalreporter
-    tr.section("greedy divergences at near-ties (DESIGN §7)")
+    tr.section("greedy divergences at near-ties (docs/design.md, 'Correctness')")
     if helpers.DIVERGENCES:
         for line in helpers.DIVERGENCES:
             tr.write_line(line)

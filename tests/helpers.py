@@ -1,6 +1,6 @@
 """Shared test helpers: checkpoints written by transformers' own classes, and the greedy reference.
 
-DESIGN §7: greedy outputs must equal transformers' token for token; a divergence is allowed only at a
+docs/design.md, "Correctness": greedy outputs must equal transformers' token for token; a divergence is allowed only at a
 step where the reference's top-2 logit gap is below 1e-4, and tests report how often that happened.
 """
 

@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from pdserve.cpus import parse_cpus
 from pdserve.config import (CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig,
                             ProxyConfig, SchedulerConfig, ServerConfig)
 
@@ -81,16 +82,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-copy-lanes", type=int, default=1,
                    help="copy threads per decode rank for READs of 1 MiB or more (on host memory each "
                         "copies at one core's speed; more than the rank's cores does not help)")
-
-
-def parse_cpus(spec: str | None) -> tuple[int, ...]:
-    if not spec:
-        return ()
-    cpus: list[int] = []
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        cpus.extend(range(int(lo), int(hi or lo) + 1))
-    return tuple(cpus)
 
 
 def engine_config(args) -> EngineConfig:

@@ -20,6 +20,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdserve.cpus import parse_cpus
+
 
 @dataclasses.dataclass
 class Instance:
@@ -194,8 +196,6 @@ def _interrupt(*_) -> None:
 
 def run_up(args) -> int:
     """`pdserve up`: start, print the proxy URL, optionally ask once, stop on Ctrl-C."""
-    from pdserve.cli import parse_cpus
-
     def cpu_list(spec):
         return [parse_cpus(part) for part in spec.split(";")] if spec else None
     dep = Deployment(args.model, [args.prefill_tp] * args.prefill, [args.decode_tp] * args.decode,

@@ -1,4 +1,4 @@
-"""Lease rules (DESIGN §5): a set of expected reads, not a count; expiry; release; one owner."""
+"""Lease rules (docs/design.md, "Block lifecycle"): a set of expected reads, not a count; expiry; release; one owner."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The global-head read plan (DESIGN §4), over every (P TP, D TP, KV heads) up to 8."""
+"""The global-head read plan (docs/design.md, "The TP plan"), over every (P TP, D TP, KV heads) up to 8."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ def test_architecture_matches_transformers(make_llm, hf_checkpoint, kind, tp):
 
 
 def test_bfloat16_runs_in_checkpoint_dtype(make_llm, hf_checkpoint):
-    """dtype=auto keeps bfloat16; answers agree with float32 on most tokens (not a §7 comparison)."""
+    """dtype=auto keeps bfloat16; answers agree with float32 on most tokens (not a greedy-equality comparison)."""
     path = hf_checkpoint("llama-bf16")
     llm = make_llm(path, 1, num_blocks=64)
     assert llm.engine.dtype == torch.bfloat16

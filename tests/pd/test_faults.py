@@ -1,4 +1,4 @@
-"""Failures end in a clear per-request outcome, never a hang or a leaked block (DESIGN §6)."""
+"""Failures end in a clear per-request outcome, never a hang or a leaked block (docs/design.md, "Failures")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The proxy: xPyD round-robin, the first-token rules (DESIGN §2), chat and streaming, its own
+"""The proxy: xPyD round-robin, the first-token rules (docs/design.md, "Wire"), chat and streaming, its own
 endpoints. A 2 prefill + 1 decode deployment (TP 1 each)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""NIXL descriptors for one request's READ from one producer rank, built with numpy (DESIGN §4).
+"""NIXL descriptors for one request's READ from one producer rank, built with numpy (docs/design.md, "The TP plan").
 
 Consumer TP rank, once per (request, producer rank). Each region (layer K, layer V) of each block
 contributes the byte range of the heads read; when the slice is the whole block on both sides

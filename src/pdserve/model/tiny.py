@@ -2,7 +2,7 @@
 
 Deterministic from a seed. Weights are scaled so each layer has unit-scale outputs (attention is
 far from uniform, so the KV cache matters) and the LM head is scaled so logits have clear margins
-(DESIGN §7): greedy comparisons between engines are then meaningful.
+(docs/design.md, "Correctness"): greedy comparisons between engines are then meaningful.
 """
 
 from __future__ import annotations

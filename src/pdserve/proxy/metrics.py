@@ -1,4 +1,4 @@
-"""Prometheus metrics of the proxy: latency as the client sees it (DESIGN §8). Proxy process."""
+"""Prometheus metrics of the proxy: latency as the client sees it (docs/design.md, "Metrics"). Proxy process."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import uvicorn
 
 from pdserve.config import ProxyConfig
 from pdserve.proxy.app import create_app
-from pdserve.server.runner import bind, configure_logging, report_port
+from pdserve.http.listen import bind, configure_logging, report_port
 
 
 def run_proxy(config: ProxyConfig, log_level: str = "INFO") -> None:

@@ -19,9 +19,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pdserve.config import EngineConfig, ServerConfig
 from pdserve.sampling_params import InvalidRequestError
 from pdserve.server.async_engine import AsyncEngine, EngineDeadError
-from pdserve.server.errors import APIError, validation_error
+from pdserve.http.errors import APIError, validation_error
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.middleware import RequestContext
+from pdserve.http.middleware import RequestContext
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pdserve.server.serving import InFlight
 from pdserve.server.serving_chat import ChatServing

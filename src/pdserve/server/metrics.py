@@ -50,7 +50,7 @@ class ServerMetrics:
         ]:
             g[name] = Gauge(f"pdserve:{name}", doc, labels, registry=r)
         self.gauges = g
-        # KV transfer (DESIGN §8); vLLM's NixlConnector names where they exist.
+        # KV transfer (docs/design.md, "Metrics"); vLLM's NixlConnector names where they exist.
         self.xfer_time = Histogram("pdserve:nixl_xfer_time_seconds", "KV transfer duration.",
                                    labels, buckets=_TRANSFER_BUCKETS, registry=r)
         self.xfer_bytes = Histogram("pdserve:nixl_bytes_transferred", "Bytes per KV transfer.",

@@ -19,7 +19,7 @@ from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.server.async_engine import AsyncEngine
-from pdserve.server.errors import APIError
+from pdserve.http.errors import APIError
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import Usage
 

@@ -1,7 +1,8 @@
 """Errors at the HTTP edge, as OpenAI-style JSON: {"error": {"message", "type", "param", "code"}}.
 
-Server and proxy processes. Exceptions from inside (bad input, engine death) are mapped here once;
-a handler never formats an error itself and a client never sees a traceback.
+Server and proxy processes (both import this package; neither imports the other). Exceptions from
+inside (bad input, engine death) are mapped here once; a handler never formats an error itself and
+a client never sees a traceback.
 """
 
 from __future__ import annotations
@@ -9,9 +10,21 @@ from __future__ import annotations
 import re
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from pdserve.sampling_params import InvalidRequestError
-from pdserve.server.protocol import ErrorInfo, ErrorResponse
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
           500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError"}

@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 
-from pdserve.server.errors import APIError
+from pdserve.http.errors import APIError
 
 logger = logging.getLogger("pdserve.server")
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
