@@ -25,14 +25,15 @@ class Reference:
 
 
 def hf_reference(model_dir: str, prompt_ids: list[int], max_new_tokens: int, dtype=torch.float32,
-                 num_top: int = 5) -> Reference:
-    key = (str(model_dir), tuple(prompt_ids), max_new_tokens, str(dtype))
+                 num_top: int = 5, gguf_file: str | None = None) -> Reference:
+    """transformers' greedy answer (`gguf_file`: its GGUF loader reads that file in `model_dir`)."""
+    key = (str(model_dir), gguf_file, tuple(prompt_ids), max_new_tokens, str(dtype))
     if key not in _REFERENCE_CACHE:
         from transformers import AutoModelForCausalLM
-        model_key = (str(model_dir), str(dtype))
+        model_key = (str(model_dir), gguf_file, str(dtype))
         if model_key not in _REFERENCE_CACHE:
             _REFERENCE_CACHE[model_key] = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=dtype).eval()
+                model_dir, dtype=dtype, gguf_file=gguf_file).eval()
         model = _REFERENCE_CACHE[model_key]
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
@@ -119,11 +120,17 @@ def write_hf_checkpoint(kind: str, out: Path, tokenizer_dir: Path) -> Path:
         config = tf.LlamaConfig(**common)
         cls = tf.LlamaForCausalLM
         dtype = torch.bfloat16
+    elif kind == "llama-256":  # rows of 256: K-quant blocks fit every matrix
+        config = tf.LlamaConfig(**{**common, "hidden_size": 256, "intermediate_size": 512})
+        cls = tf.LlamaForCausalLM
+    elif kind == "qwen3-hd128":  # transformers' GGUF loader takes Qwen3's head_dim to be 128, always
+        config = tf.Qwen3Config(**common, head_dim=128)
+        cls = tf.Qwen3ForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(0)
     model = cls(config)
-    _init_weights(model, seed=ARCHITECTURES.index(kind))
+    _init_weights(model, seed=(ARCHITECTURES + ["llama-256", "qwen3-hd128"]).index(kind))
     model = model.to(dtype)
     model.save_pretrained(out, **save_kwargs)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -17,15 +18,20 @@ from pdserve.config import (CacheConfig, EngineConfig, KVTransferConfig, Paralle
                             ProxyConfig, SchedulerConfig, ServerConfig)
 
 
+def pdserve_home() -> Path:
+    return Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
+
+
 def default_model_dir(preset: str = "small") -> Path:
-    home = Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
-    return home / "models" / preset
+    return pdserve_home() / "models" / preset
 
 
 def ensure_model(model: str | None, preset: str = "small") -> str:
-    """The given model directory, or the default generated model (created when missing)."""
+    """The checkpoint directory to serve: the given one, a GGUF file's converted copy (made once),
+    or the default generated model (created when missing)."""
     if model:
-        return model
+        from pdserve.checkpoints.gguf_file import checkpoint_dir
+        return checkpoint_dir(model, pdserve_home() / "gguf")
     path = default_model_dir(preset)
     if not (path / "config.json").is_file():
         from pdserve.model.tiny import make_model
@@ -103,6 +109,7 @@ def engine_config(args) -> EngineConfig:
         rank_cpus = tuple(tuple(cpus[r * per:(r + 1) * per]) for r in range(tp))
     return EngineConfig(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+        chat_template=args.chat_template,
         num_threads=args.num_threads,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_gib=args.kv_cache_gib,
@@ -118,12 +125,13 @@ def _serve(args) -> int:
     if cpus:  # before torch starts any thread: every thread of this instance inherits it
         os.sched_setaffinity(0, cpus)
     from pdserve.server.runner import run_server
+    name = args.served_model_name or _model_name(args.model)
     args.model = ensure_model(args.model)
     server = ServerConfig(
-        host=args.host, port=args.port, served_model_name=args.served_model_name,
+        host=args.host, port=args.port, served_model_name=name,
         api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"), max_pending=args.max_pending,
         shutdown_timeout_s=args.shutdown_timeout_s, port_file=args.port_file,
-        enable_debug_endpoints=args.enable_debug_endpoints)
+        enable_debug_endpoints=args.enable_debug_endpoints, generation_config=args.generation_config)
     run_server(server, engine_config(args), args.log_level.upper())
     return 0
 
@@ -134,15 +142,23 @@ def _proxy(args) -> int:
         prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), host=args.host,
         port=args.port, api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"),
         upstream_api_key=args.upstream_api_key or os.environ.get("PDSERVE_UPSTREAM_API_KEY"),
-        port_file=args.port_file)
+        port_file=args.port_file, upstream_protocol=args.upstream_protocol)
     run_proxy(config, args.log_level.upper())
     return 0
 
 
 def _up(args) -> int:
     from pdserve.launcher import run_up
-    args.model = ensure_model(args.model)
+    name = _model_name(args.model)
+    args.model = ensure_model(args.model)  # a GGUF file is converted once, here
+    if name:
+        args.instance_args += f" --served-model-name {shlex.quote(name)}"
     return run_up(args)
+
+
+def _model_name(model: str | None) -> str | None:
+    """What clients call a GGUF file's model (its file name without .gguf)."""
+    return Path(model).stem if model and model.endswith(".gguf") else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_make_model)
 
     p = sub.add_parser("generate", help="offline generation with the engine in this process")
-    p.add_argument("model", nargs="?", default=None, help="model directory (default: generated small)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory or .gguf file (default: the generated small model)")
     p.add_argument("--prompt", action="append", required=True)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -171,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("serve", help="run one OpenAI-compatible instance")
-    p.add_argument("model", nargs="?", default=None, help="model directory (default: generated small)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory or .gguf file (default: the generated small model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed)")
     p.add_argument("--port-file", default=None, help="write the bound port here as JSON")
@@ -180,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pending", type=int, default=1024)
     p.add_argument("--shutdown-timeout-s", type=float, default=10.0)
     p.add_argument("--enable-debug-endpoints", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--chat-template", default=None,
+                   help="a chat template file (or the template itself) instead of the checkpoint's")
+    p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                   help="auto: sampling defaults from the checkpoint's generation_config.json")
     add_engine_args(p)
     p.set_defaults(func=_serve)
 
@@ -192,10 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="clients must send it (also PDSERVE_API_KEY)")
     p.add_argument("--upstream-api-key", default=None,
                    help="sent to the instances (also PDSERVE_UPSTREAM_API_KEY)")
+    p.add_argument("--upstream-protocol", default="auto", choices=["auto", "pdserve", "vllm"],
+                   help="what the instances are: vllm producers get max_tokens 1 (auto: ask them)")
     p.set_defaults(func=_proxy)
 
     p = sub.add_parser("up", help="start a local P/D deployment: prefill, decode and proxy")
-    p.add_argument("model", nargs="?", default=None, help="model directory (default: generated small)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory or .gguf file (default: the generated small model)")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill instances")
     p.add_argument("--prefill-tp", type=int, default=1)
     p.add_argument("--decode", type=int, default=1, help="number of decode instances")

@@ -105,6 +105,7 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # defaults to the checkpoint's context
     num_threads: int | None = None  # torch threads per rank; None = cores available / TP size
+    chat_template: str | None = None  # a file or template text that wins over the checkpoint's
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -134,6 +135,7 @@ class ServerConfig:
     shutdown_timeout_s: float = 10.0
     port_file: str | None = None
     enable_debug_endpoints: bool = False  # tests only: KV checksums, loaded peers
+    generation_config: str = "auto"  # "auto": the checkpoint's sampling defaults; "vllm": pdserve's
 
     def __post_init__(self):
         _check(0 <= self.port < 65536, "port", f"out of range: {self.port}")
@@ -151,8 +153,11 @@ class ProxyConfig:
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
     port_file: str | None = None
+    upstream_protocol: str = "auto"  # pdserve or vllm instances (auto: ask them)
 
     def __post_init__(self):
+        _check(self.upstream_protocol in ("auto", "pdserve", "vllm"), "upstream_protocol",
+               f"must be auto, pdserve or vllm, got {self.upstream_protocol!r}")
         _check(len(self.prefill_urls) >= 1, "prefill", "needs at least one prefill URL")
         _check(len(self.decode_urls) >= 1, "decode", "needs at least one decode URL")
         for url in (*self.prefill_urls, *self.decode_urls):

@@ -222,10 +222,11 @@ def run_up(args) -> int:
 
 
 def _ask(url: str, prompt: str, max_tokens: int) -> None:
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True}).encode()
-    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
-    print(f"prompt: {prompt!r}\nanswer: ", end="", flush=True)
+    """One chat turn through the proxy, streamed to stdout."""
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    print(f"question: {prompt}\nanswer: ", end="", flush=True)
     with urllib.request.urlopen(req, timeout=300) as r:
         for line in r:
             line = line.decode().strip()
@@ -235,5 +236,5 @@ def _ask(url: str, prompt: str, max_tokens: int) -> None:
                     print(f"\nerror: {chunk['error']['message']}")
                     return
                 for choice in chunk.get("choices", []):
-                    print(choice.get("text", ""), end="", flush=True)
+                    print(choice.get("delta", {}).get("content") or "", end="", flush=True)
     print(flush=True)

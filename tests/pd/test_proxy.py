@@ -104,21 +104,76 @@ def test_proxy_errors_and_metrics(xpyd):
         assert f"{name}_count" in text
 
 
-def test_vllm_toy_proxy_protocol_gets_correct_answers(xpyd):
-    """vLLM's toy proxy: prefill with max_tokens 1, stream false and null remote_* keys; whatever
-    kv_transfer_params come back go to decode with the client's original body."""
+def _transfer_counters(decode) -> tuple[float, float, float]:
+    return (metric(decode, "pdserve:kv_transfers_total"), metric(decode, "pdserve:nixl_bytes_transferred_sum"),
+            metric(decode, "pdserve:prompt_tokens_computed_total"))
+
+
+def _kv_bytes(model: str, num_tokens: int) -> int:
+    """Bytes of KV the whole prompt's blocks hold (every layer, K and V, every head)."""
+    from pdserve.model.spec import ModelSpec
+    spec = ModelSpec.from_dir(model)
+    blocks = -(-num_tokens // 16)
+    return blocks * 16 * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+
+
+def _assert_one_read_and_no_local_prefill(decode, before, model, num_tokens):
+    transfers, num_bytes, computed = _transfer_counters(decode)
+    assert transfers == before[0] + 1, "decode did not READ the prompt's KV"
+    assert num_bytes - before[1] == _kv_bytes(model, num_tokens), "the READ was not the whole prompt"
+    assert computed == before[2], "decode computed prompt tokens itself"
+
+
+def test_vllm_toy_proxy_protocol_reads_the_kv(xpyd):
+    """vLLM's toy proxy: prefill with max_tokens 1, stream false and null remote_* keys; the params
+    that come back go to decode with the client's original body. The producer hands off anyway
+    (vLLM's rule), decode READs the whole prompt once and computes none of it."""
     p = ids(40, seed=12)
     body = {"prompt": p, "max_tokens": 10, "temperature": 0, "return_token_ids": True}
     prefill_body = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": {
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+    decode = xpyd.decode[0]
+    before = _transfer_counters(decode)
     code, answer = post_json(xpyd.prefill[0].url + "/v1/completions", prefill_body)
-    assert code == 200
-    decode_body = dict(body)
-    if answer.get("kv_transfer_params"):
-        decode_body["kv_transfer_params"] = answer["kv_transfer_params"]
-    code, final = post_json(xpyd.decode[0].url + "/v1/completions", decode_body)
+    assert code == 200 and answer["kv_transfer_params"], answer
+    code, final = post_json(decode.url + "/v1/completions",
+                            {**body, "kv_transfer_params": answer["kv_transfer_params"]})
     assert code == 200
     assert_greedy_match(final["choices"][0]["token_ids"], hf_reference(xpyd.model, p, 10), "toy proxy")
+    _assert_one_read_and_no_local_prefill(decode, before, xpyd.model, len(p))
     for inst in xpyd.instances:
         assert wait_idle(inst)["num_free_blocks"] == stats(inst)["num_blocks"]
+
+
+@pytest.fixture(scope="module")
+def vllm_mode_proxy(xpyd):
+    from pdserve.launcher import Instance
+    proxy = Instance("proxy-vllm", ["proxy", "--port", "0", "--upstream-protocol", "vllm",
+                                    "--prefill", *[i.url for i in xpyd.prefill],
+                                    "--decode", *[i.url for i in xpyd.decode]])
+    proxy.spawn(xpyd.log_dir).wait_healthy(60)
+    yield proxy
+    proxy.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_proxy_in_vllm_mode_fronting_pdserve_instances(xpyd, vllm_mode_proxy, stream):
+    p = ids(50, seed=13 + stream)
+    decode = xpyd.decode[0]
+    before = _transfer_counters(decode)
+    request = {"prompt": p, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    if stream:
+        tokens = []
+        with httpx.Client(timeout=60) as h:
+            with h.stream("POST", vllm_mode_proxy.url + "/v1/completions",
+                          json={**request, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        tokens += json.loads(line[6:])["choices"][0].get("token_ids") or []
+    else:
+        code, body = post_json(vllm_mode_proxy.url + "/v1/completions", request)
+        assert code == 200
+        tokens = body["choices"][0]["token_ids"]
+    assert_greedy_match(tokens, hf_reference(xpyd.model, p, 12), "proxy in vllm mode")
+    _assert_one_read_and_no_local_prefill(decode, before, xpyd.model, len(p))

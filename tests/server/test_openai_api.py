@@ -135,3 +135,32 @@ def test_cancelled_stream_frees_its_blocks(server):
                 if i > 5:
                     break  # the client goes away mid-stream
     assert wait_idle(server)["num_free_blocks"] == idle
+
+
+def test_chat_template_fields_of_the_request(client, server, llm_tp1):
+    """vLLM's request fields: chat_template, chat_template_kwargs, continue_final_message."""
+    from servers import post_json
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "The cache"}]
+    template = ("{% for m in messages %}{{ m['role'] }}={{ m['content'] }};{% endfor %}"
+                "{% if add_generation_prompt %}{{ tail }}{% endif %}")
+    tok = llm_tp1.tokenizer
+
+    def offline(text: str) -> str:
+        ids = tok.encode(text, add_special_tokens=False)
+        return llm_tp1.generate([ids], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                       extra_body={"chat_template": template,
+                                                   "chat_template_kwargs": {"tail": "go:"}})
+    text = tok.apply_chat_template(messages, True, chat_template=template, template_kwargs={"tail": "go:"})
+    assert text.endswith(";go:") and r.choices[0].message.content == offline(text)
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                       extra_body={"continue_final_message": True,
+                                                   "add_generation_prompt": False})
+    text = tok.apply_chat_template(messages, False, continue_final_message=True)
+    assert text.endswith("The cache") and r.choices[0].message.content == offline(text)
+    code, body = post_json(server.url + "/v1/chat/completions",
+                           {"messages": messages, "chat_template": "{% for %}"})
+    assert code == 400 and body["error"]["param"] == "chat_template", body
+    code, body = post_json(server.url + "/v1/chat/completions",
+                           {"messages": messages, "continue_final_message": True})
+    assert code == 400 and "cannot both" in body["error"]["message"], body

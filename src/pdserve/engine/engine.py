@@ -48,7 +48,7 @@ class Engine:
         self.spec = ModelSpec.from_dir(config.model)
         tp_size = config.parallel.tensor_parallel_size
         check_tp_size(tp_size, self.spec.num_heads, self.spec.num_kv_heads)
-        self.tokenizer = Tokenizer(config.model)
+        self.tokenizer = Tokenizer(config.model, config.chat_template)
         self.dtype = resolve_dtype(config.dtype, self.spec)
         self.engine_id = new_engine_id()
         self.num_blocks = config.cache.num_blocks or self._blocks_for_budget()
@@ -259,6 +259,7 @@ class Engine:
             "num_quarantined_blocks": self.pool.num_quarantined_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_prompt_tokens": self.num_prompt_tokens,
+            "num_prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
             "num_generated_tokens": self.num_generated_tokens,
         }
         kv = self.connector.stats(drain)

@@ -1,8 +1,8 @@
 """Turns each sampled token into a `RequestOutput` delta and decides whether the request is done.
 
 Engine process, once per sampled token. Stop rules, in order: a stop token id (EOS unless
-`ignore_eos`), stop strings on the detokenized text, `max_tokens` / the context length, then the
-P/D hand-off (a producer's request ends after its first token).
+`ignore_eos`), stop strings on the detokenized text, the P/D hand-off (a producer's request ends
+after its first token, whatever `max_tokens` says), then `max_tokens` / the context length.
 """
 
 from __future__ import annotations
@@ -43,11 +43,13 @@ class OutputProcessor:
             request.output_text = request.output_text[:end]
             request.stop_reason = stop
             status = RequestStatus.FINISHED_STOPPED
+        elif request.transfer == TransferState.PRODUCING and request.num_tokens < self.max_model_len:
+            # vLLM's rule: a producer hands off after its first token whatever max_tokens says
+            # (vLLM's proxies send max_tokens 1); the decode instance continues from here.
+            request.move_transfer_to(TransferState.HANDED_OFF)
+            status = RequestStatus.FINISHED_LENGTH
         elif len(request.output_token_ids) >= request.max_tokens \
                 or request.num_tokens >= self.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
-        elif request.transfer == TransferState.PRODUCING:
-            request.move_transfer_to(TransferState.HANDED_OFF)  # the decode instance continues
             status = RequestStatus.FINISHED_LENGTH
         if status is not None and not isinstance(request.stop_reason, str):
             request.output_text += request.detok.flush()  # a stop string already cut the text

@@ -43,6 +43,7 @@ class Scheduler:
         self.loading: list[Request] = []  # WAITING_FOR_REMOTE_KV
         self._finished_ids: list[str] = []  # since the last step, for the sampler on rank 0
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # by this instance's model (not cached, not transferred)
 
     # --- admission and removal ----------------------------------------------------------------
 
@@ -123,6 +124,8 @@ class Scheduler:
             if request is None:
                 continue
             request.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
+            self.num_prompt_tokens_computed += max(
+                0, min(request.num_computed_tokens, request.num_prompt_tokens) - chunk.start_pos)
             self.pool.cache_full_blocks(request)
 
     # --- helpers --------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
                          config.request_timeout_s) for u in urls]
     router = Router(upstreams(config.prefill_urls), upstreams(config.decode_urls))
     metrics = ProxyMetrics()
-    flow = PDFlow(router, metrics)
+    flow = PDFlow(router, metrics, config.upstream_protocol)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,10 +1,15 @@
 """One client request through the proxy: prefill on a producer, then decode with its params.
 
-Proxy process (event loop). vLLM's proxy protocol, so the request and response shapes are vLLM's
-(docs/design.md, "Wire"): the producer gets the client's body with `stream: false` and
-`kv_transfer_params: {do_remote_decode: true}`; when its first token already ends the request it
-returns no transfer parameters and the proxy answers from the producer alone; otherwise the decode
-instance gets the client's body with the producer's params and its answer goes to the client.
+Proxy process (event loop). vLLM's two-call protocol (docs/design.md, "Wire"): the producer gets
+the client's body with `stream: false` and `kv_transfer_params: {do_remote_decode: true}` and
+answers with its first token and transfer params; the decode instance gets the client's body with
+those params, and its answer goes to the client. When the producer's first token ends the request
+(EOS or a stop) it returns no params and the proxy answers from the producer alone.
+
+Upstream protocols: `pdserve` instances hand off after their first token whatever `max_tokens`
+says, so the client's body goes to them unchanged, and a client that wants one token is simply
+served by a producer without a transfer. `vllm` instances generate up to `max_tokens`, so they get
+`max_tokens: 1`, as vLLM's own proxy sends. `auto` asks the first prefill instance who it is.
 """
 
 from __future__ import annotations
@@ -26,20 +31,42 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
+PROTOCOLS = ("auto", "pdserve", "vllm")
+
+
 class PDFlow:
-    def __init__(self, router: Router, metrics: ProxyMetrics):
+    def __init__(self, router: Router, metrics: ProxyMetrics, protocol: str = "auto"):
+        assert protocol in PROTOCOLS
         self.router = router
         self.metrics = metrics
+        self.protocol = None if protocol == "auto" else protocol
+
+    async def upstream_protocol(self) -> str:
+        """`auto`: the first prefill instance's `owned_by` says (asked once; pdserve until known)."""
+        if self.protocol is None:
+            owner = await self.router.prefill.upstreams[0].owner()
+            if owner is not None:
+                self.protocol = "vllm" if owner == "vllm" else "pdserve"
+                logger.info("upstream protocol: %s (the prefill instance is owned by %r)", self.protocol, owner)
+        return self.protocol or "pdserve"
 
     async def handle(self, raw_body: bytes, path: str, request_id: str) -> Response:
         start = time.monotonic()
         body = parse_body(raw_body)
         headers = {"X-Request-Id": request_id}
+        protocol = await self.upstream_protocol()
         prefill, decode = self.router.prefill.pick(), self.router.decode.pick()
+        if protocol == "pdserve" and _max_tokens(body) == 1:  # nothing to decode: no transfer
+            self.metrics.requests.labels("prefill_only").inc()
+            return await self._forward(self.router.prefill, prefill, "prefill", path, body, headers, start)
 
         p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         p_body["stream"] = False
         p_body["kv_transfer_params"] = PREFILL_PARAMS
+        if protocol == "vllm":
+            p_body["max_tokens"] = 1
+            if "max_completion_tokens" in p_body:
+                p_body["max_completion_tokens"] = 1
         p_resp = await self._post(self.router.prefill, prefill, "prefill", path, p_body, headers)
         self.metrics.prefill.observe(time.monotonic() - start)
         if p_resp.status_code != 200:
@@ -48,21 +75,27 @@ class PDFlow:
                             media_type="application/json", headers=headers)
         p_json = p_resp.json()
         kv = p_json.get("kv_transfer_params")
-        if not kv:  # the first token ended it (EOS, stop, max_tokens == 1): the producer's answer
+        if not kv and (protocol == "pdserve" or _all_stopped(p_json)):
+            # the first token ended it (EOS, a stop, or the context is full): the producer's answer
             self.metrics.requests.labels("prefill_only").inc()
             if body.get("stream"):
                 return StreamingResponse(as_stream(p_json, body), media_type="text/event-stream",
                                          headers=headers)
             return JSONResponse(p_json, headers=headers)
+        # (a vLLM producer without a connector returns no params: decode then does it all)
+        self.metrics.requests.labels("disaggregated" if kv else "decode_only").inc()
+        d_body = {**body, "kv_transfer_params": kv} if kv else body
+        return await self._forward(self.router.decode, decode, "decode", path, d_body, headers, start)
 
-        d_body = {**body, "kv_transfer_params": kv}
-        self.metrics.requests.labels("disaggregated").inc()
+    async def _forward(self, pool: Pool, upstream: Upstream, role: str, path: str, body: dict,
+                       headers: dict, start: float) -> Response:
+        """The client's answer comes from this upstream, streamed or whole."""
         if body.get("stream"):
-            return StreamingResponse(self._relay(decode, path, d_body, headers, start),
+            return StreamingResponse(self._relay(upstream, role, path, body, headers, start),
                                      media_type="text/event-stream", headers=headers)
-        d_resp = await self._post(self.router.decode, decode, "decode", path, d_body, headers)
+        resp = await self._post(pool, upstream, role, path, body, headers)
         self.metrics.e2e.observe(time.monotonic() - start)
-        return Response(d_resp.content, status_code=d_resp.status_code,
+        return Response(resp.content, status_code=resp.status_code,
                         media_type="application/json", headers=headers)
 
     async def _post(self, pool: Pool, upstream: Upstream, role: str, path: str, body: dict, headers: dict):
@@ -73,13 +106,14 @@ class PDFlow:
             self.metrics.upstream_errors.labels(role).inc()
             raise APIError(502, f"{role} instance unreachable: {e}") from None
 
-    async def _relay(self, decode: Upstream, path: str, body: dict, headers: dict, start: float):
-        """Stream the decode instance's SSE through, timing it as the client sees it."""
+    async def _relay(self, upstream: Upstream, role: str, path: str, body: dict, headers: dict,
+                     start: float):
+        """Stream an instance's SSE through, timing it as the client sees it."""
         m = self.metrics
         first = last = None
         events = 0
         try:
-            async with decode.stream(path, body, headers) as resp:
+            async with upstream.stream(path, body, headers) as resp:
                 if resp.status_code != 200:
                     detail = (await resp.aread()).decode(errors="replace")
                     yield f"data: {json.dumps(error_body(resp.status_code, detail))}\n\n"
@@ -97,15 +131,24 @@ class PDFlow:
                         last, events = now, events + n
                     yield chunk
         except Exception as e:  # noqa: BLE001 - the stream has started: end it with an error event
-            m.upstream_errors.labels("decode").inc()
-            logger.warning("decode stream from %s broke: %s", decode.url, e)
-            yield f"data: {json.dumps(APIError(502, f'decode instance failed: {e}').body())}\n\n"
+            m.upstream_errors.labels(role).inc()
+            logger.warning("%s stream from %s broke: %s", role, upstream.url, e)
+            yield f"data: {json.dumps(APIError(502, f'{role} instance failed: {e}').body())}\n\n"
             yield "data: [DONE]\n\n"
             return
         end = time.monotonic()
         m.e2e.observe(end - start)
         if first is not None and events > 1:
             m.tpot.observe((end - first) / (events - 1))
+
+
+def _max_tokens(body: dict):
+    value = body.get("max_completion_tokens")
+    return body.get("max_tokens") if value is None else value
+
+
+def _all_stopped(answer: dict) -> bool:
+    return all(c.get("finish_reason") == "stop" for c in answer.get("choices") or [{}])
 
 
 def parse_body(raw: bytes) -> dict:

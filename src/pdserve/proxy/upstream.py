@@ -31,6 +31,14 @@ class Upstream:
         """Async context manager yielding the streaming response."""
         return self.client.stream("POST", path, json=body, headers=headers)
 
+    async def owner(self) -> str | None:
+        """`owned_by` of the instance's first model ("pdserve", "vllm", ...); None if unknown."""
+        try:
+            r = await self.client.get("/v1/models", timeout=5.0)
+            return r.json()["data"][0].get("owned_by")
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+            return None
+
     async def healthy(self) -> bool:
         try:
             r = await self.client.get("/health", timeout=2.0)

@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdserve.config import EngineConfig, ServerConfig
+from pdserve.model.generation_config import GenerationDefaults
 from pdserve.sampling_params import InvalidRequestError
 from pdserve.server.async_engine import AsyncEngine, EngineDeadError
 from pdserve.http.errors import APIError, validation_error
@@ -35,8 +36,9 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     engine = AsyncEngine(engine_config)
     metrics = ServerMetrics(model_name)
     inflight = InFlight(server.max_pending)
-    completions = CompletionServing(engine, model_name, metrics, inflight)
-    chat = ChatServing(engine, model_name, metrics, inflight)
+    defaults = GenerationDefaults.from_dir(engine_config.model, server.generation_config)
+    completions = CompletionServing(engine, model_name, metrics, inflight, defaults)
+    chat = ChatServing(engine, model_name, metrics, inflight, defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -74,9 +74,11 @@ class ServerMetrics:
             ("kv_heartbeats", "Heartbeats sent (consumer)."),
             ("kv_heartbeats_acked", "Heartbeats answered (producer)."),
             ("kv_notifications_ignored", "Unknown, late or duplicate notifications."),
+            ("prompt_tokens_computed", "Prompt tokens this instance's model computed (not served "
+                                       "by the prefix cache or a KV transfer)."),
         ])
         self._counter_values: dict[str, float] = {}
-        r.register(self)  # collect() below: the connector's cumulative counts, as counters
+        r.register(self)  # collect() below: the engine's cumulative counts, as counters
 
     def update_engine(self, stats: dict) -> None:
         m = self.model
@@ -90,10 +92,11 @@ class ServerMetrics:
         g["kv_blocks_quarantined"].labels(m).set(stats["num_quarantined_blocks"])
         g["kv_cache_usage_perc"].labels(m).set((total - free) / total)
         g["num_preemptions"].labels(m).set(stats["num_preemptions"])
+        self._counter_values["prompt_tokens_computed"] = stats["num_prompt_tokens_computed"]
         kv = stats.get("kv_transfer")
         if kv:
             g["kv_leases_active"].labels(m).set(kv["leases_active"])
-            self._counter_values = dict(kv["counters"])
+            self._counter_values.update(kv["counters"])
             for t in kv["transfers"]:
                 self.xfer_time.labels(m).observe(t["duration_s"])
                 self.xfer_bytes.labels(m).observe(t["num_bytes"])
@@ -104,7 +107,7 @@ class ServerMetrics:
                 self.handshake_latency.labels(m).observe(s)
 
     def collect(self):
-        """The KV connector's counters are kept by the engine; they are reported as they stand."""
+        """Counters kept by the engine (and its connector), reported as they stand."""
         for name, doc in self._counter_docs.items():
             family = CounterMetricFamily(f"pdserve:{name}", doc, labels=["model_name"])
             family.add_metric([self.model], self._counter_values.get(name, 0))

@@ -62,6 +62,9 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM: continue the last (assistant) message
+    chat_template: str | None = None  # vLLM: a template of the request's own (or a named one)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM: extra variables for the template
 
 
 # --- responses ----------------------------------------------------------------------------------
@@ -87,6 +90,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM, with return_token_ids
 
 
 class CompletionResponse(BaseModel):
@@ -135,6 +139,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM, with return_token_ids
 
 
 class DeltaMessage(BaseModel):

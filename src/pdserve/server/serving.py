@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from pdserve.kv_transfer.params import KVTransferParams
+from pdserve.model.generation_config import GenerationDefaults
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.server.async_engine import AsyncEngine
@@ -68,11 +69,12 @@ class InFlight:
 
 class BaseServing:
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
-                 inflight: InFlight):
+                 inflight: InFlight, defaults: GenerationDefaults = GenerationDefaults()):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.inflight = inflight
+        self.defaults = defaults  # the checkpoint's generation_config.json
 
     @property
     def tokenizer(self):
@@ -84,18 +86,20 @@ class BaseServing:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
-    @staticmethod
-    def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Unset fields take the checkpoint's generation_config.json value, then pdserve's."""
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(req, name):
                 raise InvalidRequestError(name, "is not supported by pdserve (must be 0)")
+        d = self.defaults
+        top_k = _first(req.top_k, d.top_k, 0)
         return SamplingParams(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,
+            temperature=_first(req.temperature, d.temperature, 1.0),
+            top_p=_first(req.top_p, d.top_p, 1.0),
+            top_k=0 if top_k < 0 else top_k,
             seed=req.seed,
-            max_tokens=max_tokens,
+            max_tokens=_first(max_tokens, d.max_tokens, None),
             stop=tuple([req.stop] if isinstance(req.stop, str) else (req.stop or ())),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
@@ -235,6 +239,10 @@ class BaseServing:
                      total_tokens=prompt + completion,
                      prompt_tokens_details={"cached_tokens": cached} if cached else None)
 
+
+
+def _first(*values):
+    return next((v for v in values if v is not None), None)
 
 
 def sse(payload) -> str:

@@ -11,7 +11,7 @@ from pdserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatComple
                                      ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob,
                                      DeltaMessage)
 from pdserve.server.serving import BaseServing, Choice, sse
-from pdserve.text.tokenizer import ChatTemplateError
+from pdserve.text.chat_template import ChatTemplateError
 
 
 class ChatServing(BaseServing):
@@ -29,9 +29,12 @@ class ChatServing(BaseServing):
                 content = "".join(parts)
             messages.append({"role": m.role, "content": content or ""})
         try:
-            text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                messages, req.add_generation_prompt, continue_final_message=req.continue_final_message,
+                chat_template=req.chat_template, template_kwargs=req.chat_template_kwargs)
         except ChatTemplateError as e:
-            raise InvalidRequestError("messages", f"chat template refused them: {e}") from None
+            field = "chat_template" if req.chat_template is not None else "messages"
+            raise InvalidRequestError(field, f"the chat template refused them: {e}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def create(self, req: ChatCompletionRequest, request_id: str, raw_request):
@@ -57,7 +60,8 @@ class ChatServing(BaseServing):
                                 token_ids=c.token_ids if req.return_token_ids else None)
                      for c in choices],
             usage=self.usage(choices, 1, req.n),
-            kv_transfer_params=choices[0].kv_transfer_params if len(choices) == 1 else None)
+            kv_transfer_params=choices[0].kv_transfer_params if len(choices) == 1 else None,
+            prompt_token_ids=prompt if req.return_token_ids else None)
         return JSONResponse(body.model_dump())
 
     async def _stream(self, req: ChatCompletionRequest, response_id: str, choices: list[Choice],

@@ -43,7 +43,9 @@ class CompletionServing(BaseServing):
             choices=[CompletionChoice(index=c.index, text=c.text,
                                       logprobs=self._logprobs(c.logprobs, 0) if params.logprobs is not None else None,
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                      token_ids=c.token_ids if req.return_token_ids else None)
+                                      token_ids=c.token_ids if req.return_token_ids else None,
+                                      prompt_token_ids=prompts[c.index // req.n] if req.return_token_ids
+                                      else None)
                      for c in choices],
             usage=self.usage(choices, len(prompts), req.n),
             kv_transfer_params=choices[0].kv_transfer_params if len(choices) == 1 else None)

@@ -1,5 +1,5 @@
-"""Tokenizer of a checkpoint directory: `tokenizer.json` via the `tokenizers` library, plus the
-chat template and special tokens from `tokenizer_config.json`.
+"""Tokenizer of a checkpoint directory: `tokenizer.json` via the `tokenizers` library, special
+tokens from `tokenizer_config.json`, and its chat templates (chat_template.py).
 
 Server and engine processes. transformers is not needed at run time (it is slow to import).
 """
@@ -9,14 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
-# Used when the checkpoint's tokenizer config has no chat template (documented in the README).
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
+from pdserve.text.chat_template import ChatRenderer, find_templates
 
 
 def _token_text(value) -> str | None:
@@ -26,7 +21,8 @@ def _token_text(value) -> str | None:
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None):
+        """`chat_template`: a template file or text that wins over the checkpoint's own."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -36,13 +32,10 @@ class Tokenizer:
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        self.has_chat_template = template is not None
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        self._chat_template = env.from_string(template or DEFAULT_CHAT_TEMPLATE)
+        special = {name: _token_text(cfg.get(name)) or "" for name in ("bos_token", "eos_token",
+                                                                       "unk_token", "pad_token")}
+        self.chat = ChatRenderer(*find_templates(model_dir, cfg, chat_template), special)
+        self.has_chat_template = self.chat.has_template
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size()
 
@@ -60,15 +53,7 @@ class Tokenizer:
             text = self._tok.id_to_token(token_id) or text
         return text
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self._chat_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-
-
-class ChatTemplateError(ValueError):
-    pass
-
-
-def _raise_template_error(message: str):
-    raise ChatTemplateError(message)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **options) -> str:
+        """The prompt text (options: continue_final_message, chat_template, template_kwargs)."""
+        return self.chat.render(messages, add_generation_prompt, **options)

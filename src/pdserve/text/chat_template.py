@@ -1,0 +1,130 @@
+"""Chat templates as checkpoints keep them today, rendered the way transformers renders them.
+
+Server and engine processes. Where a template comes from, first match wins (vLLM's order):
+`--chat-template` (a file or the template itself), `chat_template.jinja` in the checkpoint,
+`chat_template` in `tokenizer_config.json` (a string, or a list of named templates whose "default"
+is the default), then `chat_template.json`. Named templates also come from
+`additional_chat_templates/*.jinja`. A request may pass its own template, or a template's name.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2.ext
+import jinja2.sandbox
+
+# Used when the checkpoint has no chat template (documented in the README).
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    pass
+
+
+def find_templates(model_dir: Path, tokenizer_config: dict,
+                   override: str | None = None) -> tuple[str | None, dict[str, str]]:
+    """(the default template or None, named templates)."""
+    named: dict[str, str] = {}
+    extra = model_dir / "additional_chat_templates"
+    if extra.is_dir():
+        named.update({p.stem: p.read_text() for p in sorted(extra.glob("*.jinja"))})
+    configured = tokenizer_config.get("chat_template")
+    if isinstance(configured, list):
+        named.update({t["name"]: t["template"] for t in configured if isinstance(t, dict)})
+        configured = named.get("default")
+    if override:
+        path = Path(override)
+        return (path.read_text() if path.is_file() else override), named
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(), named
+    if isinstance(configured, str):
+        return configured, named
+    json_file = model_dir / "chat_template.json"
+    if json_file.is_file():
+        template = json.loads(json_file.read_text()).get("chat_template")
+        if isinstance(template, str):
+            return template, named
+    return named.get("default"), named
+
+
+class ChatRenderer:
+    def __init__(self, default: str | None, named: dict[str, str], special_tokens: dict[str, str]):
+        self.has_template = default is not None
+        self.named = named
+        self.special_tokens = special_tokens  # bos_token, eos_token, ... as the template expects
+        self._env = _environment()
+        self._default = self._env.from_string(default or DEFAULT_CHAT_TEMPLATE)
+        self._compiled: dict[str, jinja2.Template] = {}
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, chat_template: str | None = None,
+               template_kwargs: dict | None = None) -> str:
+        if add_generation_prompt and continue_final_message:
+            raise ChatTemplateError("add_generation_prompt and continue_final_message cannot both be true")
+        template = self._template(chat_template)
+        context = {**self.special_tokens, **(template_kwargs or {}), "messages": messages,
+                   "add_generation_prompt": add_generation_prompt}
+        try:
+            text = template.render(**context)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(str(e)) from None
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages)
+        return text
+
+    def _template(self, chat_template: str | None) -> jinja2.Template:
+        if chat_template is None:
+            return self._default
+        source = self.named.get(chat_template, chat_template)
+        if source not in self._compiled:
+            try:
+                self._compiled[source] = self._env.from_string(source)
+            except jinja2.TemplateError as e:
+                raise ChatTemplateError(f"the chat template does not compile: {e}") from None
+        return self._compiled[source]
+
+
+def _cut_after_final_message(text: str, messages: list[dict]) -> str:
+    """The prompt ends where the final message's content ends (its end-of-turn is cut)."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip() or final.strip() not in text:
+        raise ChatTemplateError("continue_final_message: the final message's content is not in the prompt")
+    at = text.rindex(final.strip())
+    if text[at:at + len(final.lstrip())] == final.lstrip():
+        return text[:at + len(final.lstrip())]
+    return text[:at + len(final.strip())]
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}…{% endgeneration %}` (marks assistant text for training): rendered as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise(message: str):
+    raise ChatTemplateError(message)

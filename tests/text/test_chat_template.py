@@ -1,0 +1,113 @@
+"""Chat templates wherever today's checkpoints keep them: pdserve's prompt and answer equal
+transformers' `apply_chat_template` + `generate`, for a template in chat_template.jinja, in
+tokenizer_config.json (a string, or named templates), in additional_chat_templates/, from
+`--chat-template`, or in the request itself."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_greedy_match, hf_reference
+from pdserve import SamplingParams
+
+DEFAULT = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}[SYS] {{ m['content'] }}\n"
+           "{% else %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endif %}{% endfor %}"
+           "{% if add_generation_prompt %}<assistant>{% if think is defined and think %} think:"
+           "{% endif %}{% endif %}")
+TOOL_USE = ("{% for m in messages %}{% generation %}{{ m['role'] | upper }}: {{ m['content'] | tojson }}"
+            "{% endgeneration %}\n{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+FLAG = "{% for m in messages %}{{ m['content'] }} | {% endfor %}{% if add_generation_prompt %}=>{% endif %}"
+MESSAGES = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": "why is the cache \"paged\"?"}]
+
+# placement -> (what save_pretrained is given, save_jinja_files)
+PLACEMENTS = {
+    "chat_template.jinja": (DEFAULT, True),
+    "tokenizer_config string": (DEFAULT, False),
+    "tokenizer_config named list": ({"default": DEFAULT, "tool_use": TOOL_USE}, False),
+    "additional_chat_templates": ({"default": DEFAULT, "tool_use": TOOL_USE}, True),
+}
+
+
+def checkpoint(tiny_model: str, out: Path, template, jinja_files: bool) -> str:
+    """The tiny model's weights with a tokenizer saved by transformers' own save_pretrained."""
+    from transformers import AutoTokenizer
+    out.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        if (Path(tiny_model) / name).exists():
+            shutil.copy(Path(tiny_model) / name, out / name)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = template
+    tok.save_pretrained(out, save_jinja_files=jinja_files)
+    return str(out)
+
+
+def hf_prompt(model_dir: str, **kw) -> list[int]:
+    from transformers import AutoTokenizer
+    out = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(MESSAGES, tokenize=True, **kw)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_checkpoint_templates(placement, tiny_model, tmp_path, make_llm):
+    model = checkpoint(tiny_model, tmp_path / "ckpt", *PLACEMENTS[placement])
+    assert "chat_template" in Path(model, "tokenizer_config.json").read_text() or \
+        Path(model, "chat_template.jinja").is_file()
+    llm = make_llm(model, num_blocks=64)
+    cases = [({}, {}), ({"think": True}, {"chat_template_kwargs": {"think": True}})]
+    if isinstance(PLACEMENTS[placement][0], dict):
+        cases.append(({"chat_template": "tool_use"}, {"chat_template": "tool_use"}))
+    for hf_kw, ours_kw in cases:
+        hf_ids = hf_prompt(model, add_generation_prompt=True, **hf_kw)
+        out = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=10), **ours_kw)[0]
+        assert out.prompt_token_ids == hf_ids, (placement, hf_kw)
+        assert_greedy_match(out.outputs[0].token_ids, hf_reference(model, hf_ids, 10), placement)
+
+
+def test_flag_and_request_templates_win(tiny_model, tmp_path, make_llm):
+    model = checkpoint(tiny_model, tmp_path / "ckpt", DEFAULT, True)
+    flag_file = tmp_path / "flag.jinja"
+    flag_file.write_text(FLAG)
+    llm = make_llm(model, num_blocks=64, chat_template=str(flag_file))
+    hf_ids = hf_prompt(model, add_generation_prompt=True, chat_template=FLAG)
+    assert llm.chat(MESSAGES, SamplingParams(max_tokens=1))[0].prompt_token_ids == hf_ids
+    hf_ids = hf_prompt(model, add_generation_prompt=True, chat_template=TOOL_USE)
+    out = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=8), chat_template=TOOL_USE)[0]
+    assert out.prompt_token_ids == hf_ids
+
+
+def test_continue_final_message(tiny_model, tmp_path, make_llm):
+    model = checkpoint(tiny_model, tmp_path / "ckpt", DEFAULT, True)
+    llm = make_llm(model, num_blocks=64)
+    from transformers import AutoTokenizer
+    messages = [*MESSAGES, {"role": "assistant", "content": "Because blocks"}]
+    hf = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        messages, tokenize=False, continue_final_message=True)
+    ours = llm.tokenizer.apply_chat_template(messages, False, continue_final_message=True)
+    assert ours == hf and ours.endswith("Because blocks")
+
+
+def test_generation_config_defaults(tmp_path, caplog):
+    """As vLLM applies generation_config.json: unset request fields take its values."""
+    from transformers import GenerationConfig
+
+    from pdserve.model.generation_config import GenerationDefaults
+    from pdserve.server.protocol import ChatCompletionRequest
+    from pdserve.server.serving import BaseServing
+    GenerationConfig(temperature=0.6, top_p=0.9, top_k=20, max_new_tokens=77, repetition_penalty=1.1,
+                     do_sample=True, eos_token_id=[2, 5]).save_pretrained(tmp_path)
+    with caplog.at_level("WARNING"):
+        defaults = GenerationDefaults.from_dir(tmp_path)
+    assert defaults == GenerationDefaults(temperature=0.6, top_p=0.9, top_k=20, max_tokens=77)
+    assert "repetition_penalty" in caplog.text
+    assert GenerationDefaults.from_dir(tmp_path, "vllm") == GenerationDefaults()
+    serving = BaseServing(None, "m", None, None, defaults)
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
+    p = serving.sampling_params(req, None, None)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.6, 0.9, 20, 77)
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], temperature=0.0, top_k=-1)
+    p = serving.sampling_params(req, 5, None)
+    assert (p.temperature, p.top_k, p.max_tokens) == (0.0, 0, 5)
