@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from pdserve.cpus import parse_cpus
-from pdserve.config import (CacheConfig, EngineConfig, KVTransferConfig, ParallelConfig,
+from pdserve.config import (CacheConfig, ConfigError, EngineConfig, KVTransferConfig, ParallelConfig,
                             ProxyConfig, SchedulerConfig, ServerConfig)
 
 
@@ -85,6 +85,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-handshake-timeout-s", type=float, default=10.0)
     p.add_argument("--kv-transfer-timeout-s", type=float, default=30.0)
     p.add_argument("--kv-load-failure-policy", default="fail", choices=["fail", "recompute"])
+    p.add_argument("--kv-producers", default=None, metavar="HOST:PORT,...",
+                   help="side channels this instance may dial as a consumer (default: any whose params "
+                        "are signed)")
+    p.add_argument("--allow-insecure-side-channel", action="store_true",
+                   help="run a side channel reachable off loopback without PDSERVE_KV_SECRET (warned)")
     p.add_argument("--kv-copy-lanes", type=int, default=1,
                    help="copy threads per decode rank for READs of 1 MiB or more (on host memory each "
                         "copies at one core's speed; more than the rank's cores does not help)")
@@ -100,7 +105,9 @@ def engine_config(args) -> EngineConfig:
             handshake_timeout_s=args.kv_handshake_timeout_s,
             transfer_timeout_s=args.kv_transfer_timeout_s,
             failure_policy=args.kv_load_failure_policy, copy_lanes=args.kv_copy_lanes,
-            secret=secret.encode() if secret else None)
+            secret=secret.encode() if secret else None,
+            producers=tuple(p for p in (args.kv_producers or "").split(",") if p),
+            allow_insecure=args.allow_insecure_side_channel)
     cpus = parse_cpus(args.cpus)
     tp = args.tensor_parallel_size
     rank_cpus = ()
@@ -131,7 +138,8 @@ def _serve(args) -> int:
         host=args.host, port=args.port, served_model_name=name,
         api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"), max_pending=args.max_pending,
         shutdown_timeout_s=args.shutdown_timeout_s, port_file=args.port_file,
-        enable_debug_endpoints=args.enable_debug_endpoints, generation_config=args.generation_config)
+        enable_debug_endpoints=args.enable_debug_endpoints, generation_config=args.generation_config,
+        max_request_body_bytes=args.max_request_body_bytes)
     run_server(server, engine_config(args), args.log_level.upper())
     return 0
 
@@ -142,7 +150,8 @@ def _proxy(args) -> int:
         prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode), host=args.host,
         port=args.port, api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"),
         upstream_api_key=args.upstream_api_key or os.environ.get("PDSERVE_UPSTREAM_API_KEY"),
-        port_file=args.port_file, upstream_protocol=args.upstream_protocol)
+        port_file=args.port_file, upstream_protocol=args.upstream_protocol,
+        max_request_body_bytes=args.max_request_body_bytes)
     run_proxy(config, args.log_level.upper())
     return 0
 
@@ -196,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None, help="also read from PDSERVE_API_KEY")
     p.add_argument("--max-pending", type=int, default=1024)
+    p.add_argument("--max-request-body-bytes", type=int, default=8 << 20, help="larger bodies get a 413")
     p.add_argument("--shutdown-timeout-s", type=float, default=10.0)
     p.add_argument("--enable-debug-endpoints", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--chat-template", default=None,
@@ -214,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="clients must send it (also PDSERVE_API_KEY)")
     p.add_argument("--upstream-api-key", default=None,
                    help="sent to the instances (also PDSERVE_UPSTREAM_API_KEY)")
+    p.add_argument("--max-request-body-bytes", type=int, default=8 << 20, help="larger bodies get a 413")
     p.add_argument("--upstream-protocol", default="auto", choices=["auto", "pdserve", "vllm"],
                    help="what the instances are: vllm producers get max_tokens 1 (auto: ask them)")
     p.set_defaults(func=_proxy)
@@ -240,10 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except ConfigError as e:
+        parser.exit(2, f"pdserve: error: {e}\n")
 
 
 if __name__ == "__main__":

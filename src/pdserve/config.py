@@ -8,11 +8,21 @@ of KV blocks, bytes per block) live in `worker.kv_cache.CacheLayout`, not here.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _check(ok: bool, field: str, message: str) -> None:
@@ -77,11 +87,18 @@ class KVTransferConfig:
     handshake_timeout_s: float = 10.0
     transfer_timeout_s: float = 30.0
     failure_policy: str = "fail"
-    secret: bytes | None = None  # HMAC key of the side channel
+    secret: bytes | None = None  # signs params, side-channel frames and notifications
     backend: str = "UCX"
     copy_lanes: int = 1  # NIXL agents (one thread each) a consumer rank splits large READs across
+    producers: tuple[str, ...] = ()  # "host:port" side channels a consumer may dial (empty: any signed)
+    allow_insecure: bool = False  # a side channel off loopback without a secret (warned)
 
     def __post_init__(self):
+        _check(self.secret is not None or self.allow_insecure or is_loopback(self.side_channel_host),
+               "side_channel_host",
+               f"{self.side_channel_host} is reachable from other hosts but no shared secret is set "
+               "(PDSERVE_KV_SECRET); anyone reaching it could read this instance's KV cache. Set a "
+               "secret, or pass --allow-insecure-side-channel")
         _check(self.copy_lanes >= 1, "kv_copy_lanes", f"must be at least 1, got {self.copy_lanes}")
         _check(self.failure_policy in FAILURE_POLICIES, "kv_load_failure_policy",
                f"must be one of {FAILURE_POLICIES}, got {self.failure_policy!r}")
@@ -132,6 +149,7 @@ class ServerConfig:
     served_model_name: str | None = None  # defaults to the model directory's name
     api_key: str | None = None
     max_pending: int = 1024  # in-flight HTTP requests before 503
+    max_request_body_bytes: int = 8 << 20  # larger bodies get a 413
     shutdown_timeout_s: float = 10.0
     port_file: str | None = None
     enable_debug_endpoints: bool = False  # tests only: KV checksums, loaded peers
@@ -154,6 +172,7 @@ class ProxyConfig:
     request_timeout_s: float = 600.0
     port_file: str | None = None
     upstream_protocol: str = "auto"  # pdserve or vllm instances (auto: ask them)
+    max_request_body_bytes: int = 8 << 20  # larger bodies get a 413
 
     def __post_init__(self):
         _check(self.upstream_protocol in ("auto", "pdserve", "vllm"), "upstream_protocol",

@@ -11,6 +11,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import secrets
 import shlex
 import signal
 import subprocess
@@ -123,7 +124,9 @@ class Deployment:
         decode_cpus = decode_cpus or shares[len(prefill_tp):]
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.env = env or {}
+        # Every deployment signs its KV transfer params and side channel (docs/security.md).
+        self.env = {"PDSERVE_KV_SECRET": os.environ.get("PDSERVE_KV_SECRET") or secrets.token_hex(32),
+                    **(env or {})}
         extra = list(instance_args or [])
         self.instances: list[Instance] = []
         for role, tps, cpus in (("prefill", prefill_tp, prefill_cpus), ("decode", decode_tp, decode_cpus)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 class InvalidRequestError(ValueError):
@@ -15,6 +16,10 @@ class InvalidRequestError(ValueError):
 
 
 MAX_LOGPROBS = 20
+MAX_N = 128
+MAX_STOP = 64  # stop strings, and stop token ids
+INT32 = 2 ** 31 - 1
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1 - MAX_N  # seed + i for the n samples fits an int64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,24 +42,29 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        if self.n < 1:
-            raise InvalidRequestError("n", f"must be at least 1, got {self.n}")
-        if not self.temperature >= 0:
-            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
+        # Every bound is one the engine can carry (a 64-bit seed, 32-bit counts): a number that
+        # passed here never fails later, deeper, where it could take the engine down.
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {self.n}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise InvalidRequestError("top_k", f"must be -1, 0 (disabled) or positive, got {self.top_k}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise InvalidRequestError("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if not -1 <= self.top_k <= INT32:
+            raise InvalidRequestError("top_k", f"must be -1, 0 (disabled) or a positive 32-bit integer, "
+                                               f"got {self.top_k}")
+        if self.max_tokens is not None and not 1 <= self.max_tokens <= INT32:
+            raise InvalidRequestError("max_tokens", f"must be in [1, {INT32}], got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequestError("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids", "must be non-negative integers")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise InvalidRequestError("seed", f"must be an integer, got {self.seed!r}")
+        if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop", f"must be at most {MAX_STOP} non-empty strings")
+        if len(self.stop_token_ids) > MAX_STOP or any(
+                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT32 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"must be at most {MAX_STOP} token ids in [0, {INT32}]")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise InvalidRequestError("seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -223,12 +223,47 @@ def test_params_are_used_once(world):
     assert e.value.field == "kv_transfer_params.remote_request_id"
 
 
+def test_swapped_block_ids_are_refused_by_the_lease_even_without_a_secret(world):
+    """B's params with A's block ids (no secret, so nothing signed): the heartbeat shows the params'
+    digest, B's lease answers MISMATCH, and nothing is read."""
+    p, d = pair(world)
+    pa, pb = p.prefill("pA", 9, seed=1), p.prefill("pB", 9, seed=2)
+    d.receive("r1", {**pb, "remote_block_ids": pa["remote_block_ids"]})
+    d.admit("r1", 9)
+    world.run()
+    o = d.outcome("r1")
+    assert o.result == LoadResult.FAILED and "other params" in o.message
+    assert world.fabric.num_reads == 0
+
+
 def test_block_ids_beyond_the_producers_pool_fail_after_the_handshake(world):
+    """A producer whose handshake shows a smaller pool than the block ids it issued."""
+    import msgspec
     p, d = pair(world)
     params = p.prefill("p1", 9)
-    d.receive("r1", {**params, "remote_block_ids": [0, 1, 999]})
+    producer = p.connector.producer
+    producer.rank_agents = [msgspec.structs.replace(ra, num_blocks=1) for ra in producer.rank_agents]
+    d.receive("r1", params)
     d.admit("r1", 9)
     world.run()
     o = d.outcome("r1")
     assert o.result == LoadResult.FAILED and "beyond the producer's pool" in o.message
     assert world.fabric.num_reads == 0
+
+
+def test_signed_params_cannot_be_changed(world):
+    p = world.instance("P", 1, secret=b"s")
+    d = world.instance("D", 1, secret=b"s")
+    params = p.prefill("p1", 9)
+    for change in ({"remote_block_ids": [5, 6, 7]}, {"remote_port": 1}, {"signature": "00"}):
+        with pytest.raises(InvalidRequestError) as e:
+            d.receive("r1", {**params, **change})
+        assert e.value.field == "kv_transfer_params.signature"
+    unsigned = {k: v for k, v in params.items() if k != "signature"}
+    with pytest.raises(InvalidRequestError, match="required"):
+        d.receive("r1", unsigned)
+    assert not world.network.sent or all(type(m).__name__ != "HandshakeRequest" for m in world.network.sent)
+    d.receive("r1", params)
+    d.admit("r1", 9)
+    world.run()
+    assert d.outcome("r1").result == LoadResult.LOADED

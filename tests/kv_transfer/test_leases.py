@@ -1,55 +1,79 @@
-"""Lease rules (docs/design.md, "Block lifecycle"): a set of expected reads, not a count; expiry; release; one owner."""
+"""Lease rules (docs/design.md, "Block lifecycle"): a set of expected reads, not a count; expiry;
+release; one owner, who must show the params the lease was issued with; notifications only from
+that owner's agents."""
 
 from __future__ import annotations
 
 from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.kv_transfer.messages import Notification, NotificationKind
+from pdserve.kv_transfer.messages import LeaseAnswer, Notification, NotificationKind
+
+HELD, GONE, MISMATCH, TAKEN = LeaseAnswer.HELD, LeaseAnswer.GONE, LeaseAnswer.MISMATCH, LeaseAnswer.TAKEN
 
 
 def note(rid: str, rank: int, tp: int = 2, engine: str = "d", kind=NotificationKind.DONE):
     return Notification(rid, engine, rank, tp, kind)
 
 
+def bound(table: LeaseTable, rid: str, engine: str = "d", tp: int = 2) -> None:
+    assert table.heartbeat(engine, tp, [rid], [f"digest-{rid}"], now=0) == [HELD]
+
+
 def test_duplicates_cannot_free_early():
     t = LeaseTable(lease_s=10, producer_tp_size=2, num_kv_heads=2)  # P TP 2, D TP 2: (0,0), (1,1)
-    t.add("r", [1, 2], now=0)
-    assert t.notify(0, note("r", 0))
-    assert t.notify(0, note("r", 0))  # the same read reported twice
+    t.add("r", [1, 2], "digest-r", now=0)
+    bound(t, "r")
+    assert t.notify(0, "d/rank0", note("r", 0))
+    assert t.notify(0, "d/rank0", note("r", 0))  # the same read reported twice
     assert t.collect(now=1) == ([], [])
-    assert not t.notify(1, note("r", 0))  # consumer rank 0 never reads producer rank 1
-    assert t.notify(1, note("r", 1))
+    assert not t.notify(1, "d/rank0", note("r", 0))  # consumer rank 0 never reads producer rank 1
+    assert t.notify(1, "d/rank1", note("r", 1))
     free, expired = t.collect(now=1)
     assert [l.request_id for l in free] == ["r"] and not expired
 
 
+def test_notifications_count_only_from_the_bound_consumers_agents():
+    t = LeaseTable(lease_s=10, producer_tp_size=1, num_kv_heads=2)
+    t.add("r", [1], "digest-r", now=0)
+    assert not t.notify(0, "d/rank0", note("r", 0, tp=1))  # nobody bound it yet
+    bound(t, "r", tp=1)
+    assert not t.notify(0, "intruder/rank0", note("r", 0, tp=1))  # a stranger claims d's read
+    assert not t.notify(0, "d/rank1", note("r", 0, tp=1))  # d's other rank claims rank 0's
+    assert t.collect(now=1) == ([], [])
+    assert t.notify(0, "d/rank0", note("r", 0, tp=1))
+    assert [l.request_id for l in t.collect(now=1)[0]] == ["r"] and t.num_ignored == 3
+
+
 def test_expiry_and_heartbeat_renewal():
     t = LeaseTable(lease_s=5, producer_tp_size=1, num_kv_heads=2)
-    t.add("a", [1], now=0)
-    t.add("b", [2], now=0)
-    assert t.heartbeat("d", 1, ["a", "zzz"], now=4) == [True, False]
+    t.add("a", [1], "digest-a", now=0)
+    t.add("b", [2], "digest-b", now=0)
+    assert t.heartbeat("d", 1, ["a", "zzz"], ["digest-a", "x"], now=4) == [HELD, GONE]
     free, expired = t.collect(now=6)
     assert not free and [l.request_id for l in expired] == ["b"]
-    assert t.heartbeat("d", 1, ["b"], now=6) == [False]
+    assert t.heartbeat("d", 1, ["b"], ["digest-b"], now=6) == [GONE]
     _, expired = t.collect(now=9.5)
     assert [l.request_id for l in expired] == ["a"] and t.num_expired == 2
 
 
-def test_release_and_owner():
+def test_a_lease_answers_only_to_its_own_params_and_owner():
     t = LeaseTable(lease_s=5, producer_tp_size=1, num_kv_heads=2)
-    t.add("a", [1], now=0)
-    assert t.heartbeat("d1", 1, ["a"], now=1) == [True]
-    assert t.heartbeat("d2", 1, ["a"], now=1) == [False]  # another consumer cannot renew it
+    t.add("a", [1], "digest-a", now=0)
+    assert t.heartbeat("d1", 1, ["a"], ["digest-of-other-blocks"], now=1) == [MISMATCH]
+    assert t.heartbeat("d1", 1, ["a"], [], now=1) == [MISMATCH]  # no digest at all
+    assert t.heartbeat("d1", 1, ["a"], ["digest-a"], now=1) == [HELD]
+    assert t.heartbeat("d2", 1, ["a"], ["digest-a"], now=1) == [TAKEN]  # another consumer
     assert t.release("d2", ["a"]) == 0
-    assert not t.notify(0, note("a", 0, tp=1, engine="d2"))
+    assert not t.notify(0, "d2/rank0", note("a", 0, tp=1, engine="d2"))
     assert t.release("d1", ["a"]) == 1
     free, _ = t.collect(now=2)
     assert [l.request_id for l in free] == ["a"]
-    assert not t.notify(0, note("a", 0, tp=1, engine="d1"))  # late: ignored
+    assert not t.notify(0, "d1/rank0", note("a", 0, tp=1, engine="d1"))  # late: ignored
     assert t.num_ignored == 2
 
 
 def test_abort_notification_releases():
     t = LeaseTable(lease_s=5, producer_tp_size=1, num_kv_heads=2)
-    t.add("a", [1], now=0)
-    assert t.notify(0, note("a", 0, tp=1, kind=NotificationKind.ABORT))
+    t.add("a", [1], "digest-a", now=0)
+    bound(t, "a", tp=1)
+    assert t.notify(0, "d/rank0", note("a", 0, tp=1, kind=NotificationKind.ABORT))
     assert [l.request_id for l in t.collect(now=1)[0]] == ["a"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import msgspec
 
 from harness import BLOCK_SIZE
-from pdserve.kv_transfer.messages import (HandshakePayload, HandshakeRequest, Heartbeat, HeartbeatAck,
-                                          Notification, NotificationKind, ReceivedNotification, Release,
-                                          ReleaseAck)
+from pdserve.kv_transfer.messages import (HANDSHAKE_VERSION, HandshakePayload, HandshakeRequest, Heartbeat, HeartbeatAck,
+                                          LeaseAnswer, Notification, NotificationKind,
+                                          ReceivedNotification, Release, ReleaseAck)
 from pdserve.kv_transfer.outcomes import LoadResult
 from pdserve.kv_transfer.params import KVTransferParams, prompt_hash
 
@@ -53,8 +53,8 @@ def test_a_lease_waits_for_every_expected_read(world):
     world.instance("D", 1)
     params = p.prefill("p1", 9)
     producer = p.connector.producer
-    heartbeat = Heartbeat("D", 1, ["p1"])
-    assert producer._handle(heartbeat).alive == [True]  # D binds the lease
+    digest = KVTransferParams.parse(params).lease_digest()
+    assert producer._handle(Heartbeat("D", 1, ["p1"], [digest])).alive == [True]  # D binds the lease
     done0 = ReceivedNotification(0, "D/rank0", Notification("p1", "D", 0, 1, NotificationKind.DONE))
     for _ in range(3):  # the same read reported three times
         producer.process_notifications([done0], 0)
@@ -70,7 +70,8 @@ def test_release_frees_at_once_and_only_for_the_lease_owner(world):
     p = world.instance("P", 1)
     params = p.prefill("p1", 9)
     producer = p.connector.producer
-    assert producer._handle(Heartbeat("D", 1, ["p1"])).alive == [True]
+    digest = KVTransferParams.parse(params).lease_digest()
+    assert producer._handle(Heartbeat("D", 1, ["p1"], [digest])).alive == [True]
     assert producer._handle(Release("intruder", ["p1"], "x")) == ReleaseAck(0)
     p.step()
     assert not set(params["remote_block_ids"]) & set(p.pool.free)
@@ -99,7 +100,7 @@ def test_expiry_quarantines_then_frees(world):
 
 def test_the_handshake_answers_only_the_ranks_asked(world):
     p = world.instance("P", 4)
-    reply = p.connector.producer._handle(HandshakeRequest(1, "P", [2, 3]))
+    reply = p.connector.producer._handle(HandshakeRequest(HANDSHAKE_VERSION, "P", [2, 3]))
     assert not reply.error
     payload = msgspec.msgpack.decode(reply.payload, type=HandshakePayload)
     assert payload.producer_tp_size == 4 and [r.rank for r in payload.ranks] == [2, 3]
@@ -108,6 +109,6 @@ def test_the_handshake_answers_only_the_ranks_asked(world):
 
 def test_heartbeat_ack_carries_lease_and_quarantine(world):
     p = world.instance("P", 1, lease_s=7.0, transfer_timeout_s=2.0)
-    p.prefill("p1", 5)
-    ack = p.connector.producer._handle(Heartbeat("D", 1, ["p1", "unknown"]))
-    assert ack == HeartbeatAck([True, False], 7.0, 4.0)
+    digest = KVTransferParams.parse(p.prefill("p1", 5)).lease_digest()
+    ack = p.connector.producer._handle(Heartbeat("D", 1, ["p1", "unknown"], [digest, "x"]))
+    assert ack == HeartbeatAck([LeaseAnswer.HELD, LeaseAnswer.GONE], 7.0, 4.0)

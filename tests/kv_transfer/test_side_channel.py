@@ -6,7 +6,7 @@ import queue
 import threading
 import time
 
-from pdserve.kv_transfer.messages import HandshakeReply, Heartbeat, HeartbeatAck
+from pdserve.kv_transfer.messages import ErrorReply, Heartbeat, HeartbeatAck, LeaseAnswer
 from pdserve.kv_transfer.side_channel import SideChannelClient, SideChannelServer
 
 
@@ -19,13 +19,13 @@ def _ask(client, port, timeout=2.0):
 def test_hmac_required_when_a_secret_is_set():
     served = []
     server = SideChannelServer("127.0.0.1", 0, b"s3cret",
-                               lambda m: served.append(m) or HeartbeatAck([True], 30.0, 60.0))
+                               lambda m: served.append(m) or HeartbeatAck([LeaseAnswer.HELD], 30.0, 60.0))
     good, bad, none = SideChannelClient(b"s3cret"), SideChannelClient(b"wrong"), SideChannelClient(None)
     try:
         assert isinstance(_ask(good, server.port), HeartbeatAck)
         for c in (bad, none):
             reply = _ask(c, server.port)
-            if isinstance(reply, HandshakeReply):
+            if isinstance(reply, ErrorReply):
                 assert "unauthenticated" in reply.error
             else:  # a client with a (wrong) secret cannot verify the refusal's HMAC
                 assert "HMAC" in str(reply)
@@ -38,8 +38,8 @@ def test_hmac_required_when_a_secret_is_set():
 
 def test_timeout_and_concurrency():
     gate = threading.Event()
-    slow = SideChannelServer("127.0.0.1", 0, None, lambda m: gate.wait(5) and HeartbeatAck([True], 1.0, 2.0))
-    fast = SideChannelServer("127.0.0.1", 0, None, lambda m: HeartbeatAck([False], 1.0, 2.0))
+    slow = SideChannelServer("127.0.0.1", 0, None, lambda m: gate.wait(5) and HeartbeatAck([LeaseAnswer.HELD], 1.0, 2.0))
+    fast = SideChannelServer("127.0.0.1", 0, None, lambda m: HeartbeatAck([LeaseAnswer.GONE], 1.0, 2.0))
     client = SideChannelClient(None)
     try:
         results = queue.Queue()

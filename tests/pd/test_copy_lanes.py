@@ -79,7 +79,8 @@ def test_producer_killed_before_a_split_read(laned, tmp_path_factory):
     error within the timeout, and the decode instance (with its lane) frees everything and keeps
     serving."""
     decode = laned.decode[0]
-    victim = start_server(laned.model, tmp_path_factory.mktemp("lanes-victim"), role="victim")
+    victim = start_server(laned.model, tmp_path_factory.mktemp("lanes-victim"), role="victim",
+                          env={"PDSERVE_KV_SECRET": laned.env["PDSERVE_KV_SECRET"]})  # one deployment
     rng = random.Random(9)
     def prefill(ids):
         code, body = post_json(victim.url + "/v1/completions",

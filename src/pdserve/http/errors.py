@@ -7,12 +7,15 @@ a client never sees a traceback.
 
 from __future__ import annotations
 
+import logging
 import re
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from pdserve.sampling_params import InvalidRequestError
+
+logger = logging.getLogger("pdserve.http")
 
 
 class ErrorInfo(BaseModel):
@@ -27,7 +30,8 @@ class ErrorResponse(BaseModel):
 
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-          500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
+          405: "MethodNotAllowedError", 413: "RequestTooLargeError", 500: "InternalServerError",
+          502: "BadGatewayError", 503: "ServiceUnavailableError"}
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -69,3 +73,28 @@ def validation_error(errors: list[dict]) -> APIError:
         return APIError(400, f"request body is not valid JSON: {e.get('msg', '')}", param="body")
     field = ".".join(loc) or "body"
     return APIError(400, f"{field}: {e.get('msg', 'invalid value')}", param=field)
+
+
+def from_http_exception(status: int, detail) -> APIError:
+    """Starlette's own errors (unknown route, wrong method, an unparsable body) in OpenAI's shape."""
+    message = detail if isinstance(detail, str) else str(detail)
+    param = "body" if "body" in message.lower() else None
+    return APIError(status, message, param=param)
+
+
+def install_handlers(app) -> None:
+    """Errors raised by the framework itself (routing, body parsing) answer in OpenAI's shape."""
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        return from_http_exception(e.status_code, e.detail).response(getattr(e, "headers", None))
+
+    @app.exception_handler(RecursionError)
+    async def too_deep(request, e: RecursionError):
+        return APIError(400, "request body is nested too deeply", param="body").response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request, e: Exception):
+        logger.exception("unexpected error")
+        return APIError(500, f"internal error: {type(e).__name__}").response()

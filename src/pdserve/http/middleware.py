@@ -1,4 +1,5 @@
-"""Pure ASGI middleware of the server and the proxy: request id, API key, one log line per request.
+"""Pure ASGI middleware of the server and the proxy: request id, API key, one log line per request,
+and the request body's size limit.
 
 Server and proxy processes. Plain ASGI rather than Starlette's BaseHTTPMiddleware, which relays
 every streamed chunk through an extra task and memory stream.
@@ -26,9 +27,13 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+PROTECTED = ("/v1", "/debug", "/metrics")  # behind the API key when one is set (/health is not)
+
+
 class RequestContext:
     """Takes the client's X-Request-Id (or makes one), echoes it on the response, checks the API
-    key on /v1 routes, and logs each /v1 request with its status and time to first byte."""
+    key on every route but /health, and logs each /v1 request with its status and time to first
+    byte."""
 
     def __init__(self, app, api_key: str | None = None, log: bool = True):
         self.app = app
@@ -46,7 +51,7 @@ class RequestContext:
         start = time.monotonic()
         rid_header = (b"x-request-id", rid.encode("latin-1"))
 
-        if self.expected and path.startswith("/v1") and \
+        if self.expected and path.startswith(PROTECTED) and \
                 not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
             response = APIError(401, "missing or invalid API key").response({"X-Request-Id": rid})
             return await response(scope, receive, send)
@@ -60,3 +65,48 @@ class RequestContext:
                                 message["status"], time.monotonic() - start)
             await send(message)
         await self.app(scope, receive, send_with_id)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """A request body larger than `max_bytes` gets a 413 in OpenAI's shape, whether it says its
+    length up front or streams it; nothing past the limit is read into memory."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        received = 0
+        started = False
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _TooLarge
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope, receive, send):
+        error = APIError(413, f"request body larger than {self.max_bytes} bytes", param="body")
+        await error.response()(scope, receive, send)

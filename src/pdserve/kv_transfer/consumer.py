@@ -14,16 +14,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
+import time
 from collections import deque
 from typing import Callable
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.handshake import HandshakeReplied, PeerState, PeerTable, tp_mismatch
 from pdserve.kv_transfer.load import IN_FLIGHT, NOT_READING, Claims, Load, LoadState
-from pdserve.kv_transfer.messages import (ConnectorReport, Fingerprint, Heartbeat, HeartbeatAck,
-                                          PeerAgents, ReadFailure, ReadSpec, Release)
+from pdserve.kv_transfer.messages import (MAX_IDS_PER_MESSAGE, ConnectorReport, Fingerprint, Heartbeat,
+                                          HeartbeatAck, LeaseAnswer, PeerAgents, ReadFailure, ReadSpec,
+                                          Release)
 from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadOutcome, LoadResult
 from pdserve.kv_transfer.params import KVTransferParams
+from pdserve.kv_transfer.signing import verify
 from pdserve.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -31,6 +34,11 @@ logger = logging.getLogger(__name__)
 REPORT_GRACE_S = 5.0  # after the READ timeout, how long the ranks get to report before we stop waiting
 MIN_HEARTBEAT_S = 0.05
 TRANSFERS_KEPT = 1024  # per-transfer records kept between two scrapes of /metrics
+_LEASE_LOST = {
+    LeaseAnswer.GONE: "producer {0} no longer holds the KV of {1} (lease expired or released)",
+    LeaseAnswer.MISMATCH: "producer {0} holds {1} for other params: kv_transfer_params were changed",
+    LeaseAnswer.TAKEN: "producer {0} holds {1} for another consumer",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +75,11 @@ class ConsumerSide:
     def add(self, request_id: str, params: KVTransferParams) -> None:
         """The engine accepts a request with these params: refuse (InvalidRequestError) or start
         keeping the producer's lease alive."""
+        verify(params, self.config.secret, time.time())  # before anything is dialed
+        if self.config.producers and f"{params.remote_host}:{params.remote_port}" not in self.config.producers:
+            raise InvalidRequestError("kv_transfer_params.remote_host",
+                                      f"{params.remote_host}:{params.remote_port} is not one of this "
+                                      "instance's producers (--kv-producers)")
         error = self.peers.check_tp(params.remote_engine_id, params.producer_tp_size)
         if error:
             raise InvalidRequestError("kv_transfer_params.tp_size", error)
@@ -181,19 +194,18 @@ class ConsumerSide:
 
     def _on_heartbeat(self, event: HeartbeatReplied) -> None:
         reply = event.reply
-        if not isinstance(reply, HeartbeatAck) or len(reply.alive) != len(event.request_ids):
+        if not isinstance(reply, HeartbeatAck) or len(reply.answers) != len(event.request_ids):
             if any(l.engine_id == event.engine_id and l.state in NOT_READING for l in self.loads.values()):
                 self._fail_waiting(event.engine_id, f"producer {event.engine_id} unreachable "
                                                     f"(heartbeat: {reply})")
             return
-        for rid, alive in zip(event.request_ids, reply.alive):
+        for rid, answer in zip(event.request_ids, reply.answers):
             load = self.loads.get(rid)
             if load is None or load.engine_id != event.engine_id:
                 continue
-            if not alive:
+            if answer != LeaseAnswer.HELD:
                 if load.state in NOT_READING:
-                    self._fail(load, f"producer {event.engine_id} no longer holds the KV of "
-                                     f"{load.params.remote_request_id} (lease expired or released)")
+                    self._fail(load, _LEASE_LOST[answer].format(event.engine_id, load.params.remote_request_id))
                 continue
             load.deadline = event.sent_at + reply.lease_s - max(0.1 * reply.lease_s, 0.05)
             load.lease_s, load.quarantine_s = reply.lease_s, reply.quarantine_s
@@ -271,11 +283,14 @@ class ConsumerSide:
         now = self.clock()
         for load in loads:
             load.last_heartbeat = now
-        self.counters["kv_heartbeats"] += 1
-        msg = Heartbeat(self.engine_id, self.tp_size, [l.params.remote_request_id for l in loads])
-        ids = [l.request_id for l in loads]
-        self.client.send(host, port, msg, self.config.handshake_timeout_s,
-                         lambda reply: self._event(HeartbeatReplied(engine_id, now, ids, reply)))
+        for i in range(0, len(loads), MAX_IDS_PER_MESSAGE):
+            batch = loads[i:i + MAX_IDS_PER_MESSAGE]
+            self.counters["kv_heartbeats"] += 1
+            msg = Heartbeat(self.engine_id, self.tp_size, [l.params.remote_request_id for l in batch],
+                            [l.params.lease_digest() for l in batch])
+            ids = [l.request_id for l in batch]
+            self.client.send(host, port, msg, self.config.handshake_timeout_s,
+                             lambda reply, ids=ids: self._event(HeartbeatReplied(engine_id, now, ids, reply)))
 
     def _release(self, load: Load, reason: str) -> None:
         """Tell the producer to free this request's blocks (once; it ignores repeats)."""

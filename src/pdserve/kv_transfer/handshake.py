@@ -21,7 +21,7 @@ from typing import Callable
 
 import msgspec
 
-from pdserve.kv_transfer.messages import (HANDSHAKE_VERSION, Fingerprint, HandshakePayload,
+from pdserve.kv_transfer.messages import (HANDSHAKE_VERSION, ErrorReply, Fingerprint, HandshakePayload,
                                           HandshakeReply, HandshakeRequest, PeerAgents, RankAgent)
 from pdserve.kv_transfer.topology import producer_ranks_for
 
@@ -100,6 +100,8 @@ def accept_reply(reply, peer: Peer, ours: Fingerprint, timeout_s: float) -> Peer
     if isinstance(reply, BaseException):
         kind = "timed out" if isinstance(reply, TimeoutError) else "failed"
         raise HandshakeError(f"producer unreachable (handshake {kind} after {timeout_s:g} s: {reply})")
+    if isinstance(reply, ErrorReply):
+        raise HandshakeError(f"the producer refused the handshake: {reply.error}")
     if not isinstance(reply, HandshakeReply):
         raise HandshakeError(f"unexpected reply {type(reply).__name__}")
     if reply.version != HANDSHAKE_VERSION:

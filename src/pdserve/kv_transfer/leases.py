@@ -13,7 +13,7 @@ import dataclasses
 import enum
 import threading
 
-from pdserve.kv_transfer.messages import Notification, NotificationKind
+from pdserve.kv_transfer.messages import LeaseAnswer, Notification, NotificationKind
 from pdserve.kv_transfer.topology import expected_reads
 
 
@@ -32,6 +32,7 @@ class Lease:
     request_id: str
     block_ids: list[int]
     deadline: float
+    digest: str  # of the params it was issued with (KVTransferParams.lease_digest)
     state: LeaseState = LeaseState.HELD
     consumer_engine_id: str | None = None
     expected: frozenset[tuple[int, int]] | None = None
@@ -69,26 +70,32 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def add(self, request_id: str, block_ids: list[int], now: float) -> Lease:
+    def add(self, request_id: str, block_ids: list[int], digest: str, now: float) -> Lease:
         with self._lock:
-            lease = Lease(request_id, list(block_ids), now + self.lease_s)
+            lease = Lease(request_id, list(block_ids), now + self.lease_s, digest)
             self._leases[request_id] = lease
             return lease
 
     def heartbeat(self, consumer_engine_id: str, consumer_tp_size: int, request_ids: list[str],
-                  now: float) -> list[bool]:
-        """Renew each lease still held for this consumer; False for unknown or lost ones."""
-        alive = []
+                  digests: list[str], now: float) -> list[LeaseAnswer]:
+        """Renew each lease held for this consumer and issued with the params it names."""
+        answers = []
+        digests = list(digests) + [""] * (len(request_ids) - len(digests))
         with self._lock:
             self.num_heartbeats += 1
-            for rid in request_ids:
+            for rid, digest in zip(request_ids, digests):
                 lease = self._leases.get(rid)
-                ok = lease is not None and lease.state == LeaseState.HELD and lease.bind(
-                    consumer_engine_id, consumer_tp_size, self.producer_tp_size, self.num_kv_heads)
-                if ok:
+                if lease is None or lease.state != LeaseState.HELD:
+                    answers.append(LeaseAnswer.GONE)
+                elif digest != lease.digest:
+                    answers.append(LeaseAnswer.MISMATCH)
+                elif not lease.bind(consumer_engine_id, consumer_tp_size, self.producer_tp_size,
+                                    self.num_kv_heads):
+                    answers.append(LeaseAnswer.TAKEN)
+                else:
                     lease.deadline = now + self.lease_s
-                alive.append(ok)
-        return alive
+                    answers.append(LeaseAnswer.HELD)
+        return answers
 
     def release(self, consumer_engine_id: str, request_ids: list[str]) -> int:
         n = 0
@@ -102,13 +109,15 @@ class LeaseTable:
                     n += 1
         return n
 
-    def notify(self, producer_rank: int, note: Notification) -> bool:
-        """Record one rank's notification. False when it is unknown, late or from another consumer."""
+    def notify(self, producer_rank: int, sender: str, note: Notification) -> bool:
+        """Record one rank's notification. False when it is unknown or late, or does not come from
+        the consumer the lease is bound to (by its first heartbeat), from the agent of the rank it
+        names."""
         with self._lock:
             lease = self._leases.get(note.producer_request_id)
-            if lease is None or lease.state != LeaseState.HELD or not lease.bind(
-                    note.consumer_engine_id, note.consumer_tp_size, self.producer_tp_size,
-                    self.num_kv_heads):
+            if lease is None or lease.state != LeaseState.HELD or lease.consumer_engine_id is None \
+                    or note.consumer_engine_id != lease.consumer_engine_id \
+                    or sender != f"{lease.consumer_engine_id}/rank{note.consumer_rank}":
                 self.num_ignored += 1
                 return False
             if note.kind == NotificationKind.ABORT:

@@ -9,10 +9,14 @@
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
 
-HANDSHAKE_VERSION = 1
+HANDSHAKE_VERSION = 2
+MAX_IDS_PER_MESSAGE = 4096  # request ids one heartbeat or release names (the consumer batches)
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+Ids = Annotated[list[Name], msgspec.Meta(max_length=MAX_IDS_PER_MESSAGE)]
 
 
 # --- once per process: what each rank registered ---------------------------------------------
@@ -83,13 +87,16 @@ class NotificationKind(enum.Enum):
 
 
 class Notification(msgspec.Struct, frozen=True):
-    """Sent by a consumer rank to each producer rank it read from, once its READ finished."""
+    """Sent by a consumer rank to each producer rank it read from, once its READ finished. Counted
+    only from the agent `{consumer_engine_id}/rank{consumer_rank}` bound to the lease and, with a
+    shared secret, only with a valid `mac` (HMAC over the other fields)."""
 
     producer_request_id: str
     consumer_engine_id: str
     consumer_rank: int
     consumer_tp_size: int
     kind: NotificationKind
+    mac: bytes = b""
 
 
 class ReceivedNotification(msgspec.Struct, frozen=True):
@@ -124,8 +131,8 @@ class ConnectorReport(msgspec.Struct):
 
 class HandshakeRequest(msgspec.Struct, frozen=True, tag="handshake"):
     version: int
-    engine_id: str  # the producer engine the consumer expects to reach
-    ranks: list[int]  # union of producer ranks the consumer's ranks read from
+    engine_id: Name  # the producer engine the consumer expects to reach
+    ranks: Annotated[list[int], msgspec.Meta(max_length=1024)]  # the producer ranks read from
 
 
 class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply"):
@@ -144,28 +151,48 @@ class HandshakePayload(msgspec.Struct, frozen=True):
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
-    consumer_engine_id: str
+    consumer_engine_id: Name
     consumer_tp_size: int
-    request_ids: list[str]  # producer request ids
+    request_ids: Ids  # producer request ids
+    # Per request id, digest of the params the consumer holds (lease_digest): a lease answers only
+    # to the params it was issued with, so block ids cannot be swapped under it.
+    digests: Ids = []
+
+
+class LeaseAnswer(enum.Enum):
+    HELD = "held"  # renewed now
+    GONE = "gone"  # unknown, expired or released
+    MISMATCH = "mismatch"  # the consumer's params are not the ones this lease was issued with
+    TAKEN = "taken"  # another consumer holds it
 
 
 class HeartbeatAck(msgspec.Struct, frozen=True, tag="heartbeat_ack"):
-    alive: list[bool]  # per request id: still leased (renewed now)
+    answers: list[LeaseAnswer]  # per request id
     lease_s: float
     quarantine_s: float  # how long expired blocks stay out of reuse: a READ must end well before
+
+    @property
+    def alive(self) -> list[bool]:
+        return [a == LeaseAnswer.HELD for a in self.answers]
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
     """The consumer gave up on these requests: free their blocks now."""
 
-    consumer_engine_id: str
-    request_ids: list[str]
-    reason: str
+    consumer_engine_id: Name
+    request_ids: Ids
+    reason: Annotated[str, msgspec.Meta(max_length=1024)]
 
 
 class ReleaseAck(msgspec.Struct, frozen=True, tag="release_ack"):
     num_released: int
 
 
+class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
+    """A request the server could not take (unauthenticated, replayed, malformed, over a bound)."""
+
+    error: str
+
+
 SideChannelRequest = HandshakeRequest | Heartbeat | Release
-SideChannelReply = HandshakeReply | HeartbeatAck | ReleaseAck
+SideChannelReply = HandshakeReply | HeartbeatAck | ReleaseAck | ErrorReply

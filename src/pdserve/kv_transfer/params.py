@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import re
 from typing import Any
 
 import numpy as np
 
 from pdserve.model.parallel import check_tp_size
-from pdserve.sampling_params import InvalidRequestError
+from pdserve.sampling_params import INT32, MAX_LOGPROBS, InvalidRequestError
 
 FIELD = "kv_transfer_params"
+MAX_TP = 1024
+MAX_BLOCKS = 1 << 20
+MAX_LEASE_S = 24 * 3600.0
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-]{0,252}|[0-9A-Fa-f:.]{2,45}")  # DNS name, IPv4 or IPv6
 
 
@@ -47,6 +51,8 @@ class KVTransferParams:
     first_token: FirstToken | None = None
     prompt_hash: str | None = None
     lease_s: float | None = None
+    expires_at: float | None = None  # wall clock: the consumer must accept the params before
+    signature: str | None = None  # the producer's HMAC over every other field (signing.py)
 
     @classmethod
     def parse(cls, obj: Any) -> "KVTransferParams | None":
@@ -66,10 +72,12 @@ class KVTransferParams:
             remote_port=p.int("remote_port", lo=1, hi=65535),
             remote_block_ids=p.int_list("remote_block_ids"),
             remote_request_id=p.str("remote_request_id"),
-            producer_tp_size=p.int("tp_size", lo=1),
+            producer_tp_size=p.int("tp_size", lo=1, hi=MAX_TP),
             first_token=p.first_token(),
             prompt_hash=p.str("prompt_hash"),
-            lease_s=p.float("lease_s", lo=0.0),
+            lease_s=p.float("lease_s", lo=0.0, hi=MAX_LEASE_S),
+            expires_at=p.float("expires_at", lo=0.0, hi=1e11),
+            signature=p.str("signature"),
         )
         if params.do_remote_decode and params.do_remote_prefill:
             raise InvalidRequestError(f"{FIELD}.do_remote_prefill",
@@ -80,7 +88,8 @@ class KVTransferParams:
                                 ("remote_block_ids", params.remote_block_ids),
                                 ("remote_request_id", params.remote_request_id),
                                 ("tp_size", params.producer_tp_size),
-                                ("first_token_id", params.first_token)):
+                                ("first_token_id", params.first_token),
+                                ("prompt_hash", params.prompt_hash)):
                 if value is None:
                     raise InvalidRequestError(f"{FIELD}.{name}", "is required with do_remote_prefill")
         return params
@@ -109,6 +118,12 @@ class KVTransferParams:
             raise InvalidRequestError(f"{FIELD}.first_token_id",
                                       f"{self.first_token.token_id} is outside the vocabulary")
 
+    def lease_digest(self) -> str:
+        """What a heartbeat shows of these params: the producer's lease answers only to the params
+        it was issued with (its request id, blocks and prompt)."""
+        raw = f"{self.remote_request_id}|{','.join(map(str, self.remote_block_ids))}|{self.prompt_hash}"
+        return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
     def to_json(self) -> dict:
         """The producer's answer, JSON-ready (vLLM's key names)."""
         out = {
@@ -128,6 +143,10 @@ class KVTransferParams:
             out["first_token_logprob"] = self.first_token.logprob
         if self.first_token.top_logprobs is not None:
             out["first_token_top_logprobs"] = [list(t) for t in self.first_token.top_logprobs]
+        if self.expires_at is not None:
+            out["expires_at"] = self.expires_at
+        if self.signature is not None:
+            out["signature"] = self.signature
         return out
 
 
@@ -166,10 +185,10 @@ class _Reader:
             raise InvalidRequestError(f"{FIELD}.{key}", f"out of range: {value}")
         return value
 
-    def float(self, key: str, lo: float) -> float | None:
+    def float(self, key: str, lo: float, hi: float = math.inf) -> float | None:
         value = self._get(key, (int, float), "a number")
-        if value is not None and not value > lo:
-            raise InvalidRequestError(f"{FIELD}.{key}", f"must be > {lo}, got {value}")
+        if value is not None and not lo < value <= hi:
+            raise InvalidRequestError(f"{FIELD}.{key}", f"must be in ({lo}, {hi}], got {value}")
         return None if value is None else float(value)
 
     def int_list(self, key: str) -> tuple[int, ...] | None:
@@ -178,17 +197,19 @@ class _Reader:
             return None
         if any(isinstance(v, bool) or not isinstance(v, int) for v in value):
             raise InvalidRequestError(f"{FIELD}.{key}", "must contain only integers")
-        if any(v < 0 for v in value):
-            raise InvalidRequestError(f"{FIELD}.{key}", "must not contain negative block ids")
-        if not value:
-            raise InvalidRequestError(f"{FIELD}.{key}", "must not be empty")
+        if any(not 0 <= v <= INT32 for v in value):
+            raise InvalidRequestError(f"{FIELD}.{key}", f"block ids must be in [0, {INT32}]")
+        if not 0 < len(value) <= MAX_BLOCKS:
+            raise InvalidRequestError(f"{FIELD}.{key}", f"must hold 1 to {MAX_BLOCKS} block ids")
         return tuple(value)
 
     def first_token(self) -> FirstToken | None:
-        token_id = self.int("first_token_id", lo=0)
+        token_id = self.int("first_token_id", lo=0, hi=INT32)
         if token_id is None:
             return None
         logprob = self._get("first_token_logprob", (int, float), "a number")
+        if logprob is not None and not math.isfinite(logprob):
+            raise InvalidRequestError(f"{FIELD}.first_token_logprob", "must be finite")
         top = self._get("first_token_top_logprobs", (list,), "a list of [token id, logprob] pairs")
         if top is not None:
             try:
@@ -196,4 +217,8 @@ class _Reader:
             except (TypeError, ValueError):
                 raise InvalidRequestError(f"{FIELD}.first_token_top_logprobs",
                                           "must be a list of [token id, logprob] pairs") from None
+            if len(top) > MAX_LOGPROBS or any(not 0 <= t <= INT32 or not math.isfinite(lp) for t, lp in top):
+                raise InvalidRequestError(f"{FIELD}.first_token_top_logprobs",
+                                          f"must hold at most {MAX_LOGPROBS} pairs of a token id and a "
+                                          "finite logprob")
         return FirstToken(token_id, None if logprob is None else float(logprob), top)

@@ -1,7 +1,8 @@
 """The producer role of the scheduler-side connector (engine process of a prefill instance).
 
 After its first token, a request marked `do_remote_decode` hands its prompt's blocks to a lease and
-answers with `kv_transfer_params` (docs/design.md, "Wire"). The side-channel listener serves
+answers with `kv_transfer_params` (docs/design.md, "Wire"), signed when the deployment has a secret
+(docs/security.md). Notifications count only with a valid MAC and from the bound consumer's agent. The side-channel listener serves
 handshakes, heartbeats and releases. Leases that end (every expected read notified, or released)
 give their blocks back through the outcome buffer; expired ones send them to quarantine for twice
 the transfer timeout, so a READ posted just before expiry ends (or is abandoned by its reader)
@@ -10,16 +11,19 @@ before the blocks can hold anyone else's KV.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from typing import Callable
 
-from pdserve.config import KVTransferConfig
+from pdserve.config import KVTransferConfig, is_loopback
 from pdserve.kv_transfer.handshake import answer_handshake
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.messages import (Fingerprint, HandshakeRequest, Heartbeat, HeartbeatAck,
                                           RankAgent, ReceivedNotification, Release, ReleaseAck)
 from pdserve.kv_transfer.outcomes import ConnectorOutcome, Handoff
 from pdserve.kv_transfer.params import FirstToken, KVTransferParams, prompt_hash
+from pdserve.kv_transfer.signing import notification_mac_ok, sign
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +46,10 @@ class ProducerSide:
         self.host = config.advertise
         logger.info("KV producer side channel on %s:%d (advertised as %s)",
                     config.side_channel_host, self.server.port, self.host)
+        if config.secret is None and not is_loopback(config.side_channel_host):
+            logger.warning("INSECURE: the side channel on %s has no shared secret: anyone who reaches "
+                           "it can learn where this instance's KV cache is and read it "
+                           "(--allow-insecure-side-channel)", config.side_channel_host)
 
     # --- engine thread --------------------------------------------------------------------------
 
@@ -50,20 +58,28 @@ class ProducerSide:
         """The prompt's blocks go to a lease (the first token's block, if it has its own, does not)."""
         num_blocks = -(-len(prompt_token_ids) // self.fingerprint.block_size)
         kept = list(block_ids[:num_blocks])
-        self.leases.add(request_id, kept, self.clock())
         params = KVTransferParams(
             do_remote_prefill=True, remote_engine_id=self.engine_id, remote_host=self.host,
             remote_port=self.server.port, remote_block_ids=tuple(kept), remote_request_id=request_id,
             producer_tp_size=len(self.rank_agents), first_token=first_token,
-            prompt_hash=prompt_hash(prompt_token_ids), lease_s=self.config.lease_s)
+            prompt_hash=prompt_hash(prompt_token_ids), lease_s=self.config.lease_s,
+            expires_at=round(time.time() + self.config.lease_s, 3))
+        if self.config.secret is not None:
+            params = dataclasses.replace(params, signature=sign(params, self.config.secret))
+        self.leases.add(request_id, kept, params.lease_digest(), self.clock())
         return Handoff(kept, params.to_json())
 
     def process_notifications(self, received: list[ReceivedNotification], num_bad: int) -> None:
         self.num_bad_notifications += num_bad
         for r in received:
-            if not self.leases.notify(r.producer_rank, r.notification):
-                logger.info("ignored notification %s from consumer rank %d",
-                            r.notification.producer_request_id, r.notification.consumer_rank)
+            note = r.notification
+            if not notification_mac_ok(note, self.config.secret):
+                self.leases.num_ignored += 1
+                logger.warning("refused a notification for %s from %s: no valid MAC",
+                               note.producer_request_id, r.sender)
+            elif not self.leases.notify(r.producer_rank, r.sender, note):
+                logger.info("ignored notification %s from %s (consumer rank %d)",
+                            note.producer_request_id, r.sender, note.consumer_rank)
 
     def tick(self) -> None:
         now = self.clock()
@@ -100,9 +116,9 @@ class ProducerSide:
             self.num_handshakes_served += not reply.error
             return reply
         if isinstance(msg, Heartbeat):
-            alive = self.leases.heartbeat(msg.consumer_engine_id, msg.consumer_tp_size,
-                                          msg.request_ids, self.clock())
-            return HeartbeatAck(alive=alive, lease_s=self.config.lease_s, quarantine_s=self.quarantine_s)
+            answers = self.leases.heartbeat(msg.consumer_engine_id, msg.consumer_tp_size,
+                                            msg.request_ids, msg.digests, self.clock())
+            return HeartbeatAck(answers, lease_s=self.config.lease_s, quarantine_s=self.quarantine_s)
         if isinstance(msg, Release):
             n = self.leases.release(msg.consumer_engine_id, msg.request_ids)
             logger.info("consumer %s released %d request(s): %s", msg.consumer_engine_id, n, msg.reason)

@@ -22,6 +22,7 @@ from pdserve.kv_transfer.descriptors import RegionTable, build_descriptors
 from pdserve.kv_transfer.lanes import CopyLane, LanePart, lane_shares
 from pdserve.kv_transfer.messages import (Notification, NotificationKind, PeerAgents, ReadDone,
                                           ReadFailure, ReadSpec)
+from pdserve.kv_transfer.signing import sign_notification
 from pdserve.kv_transfer.topology import read_plan
 from pdserve.transport.base import Agent, TransferError, XferState
 
@@ -60,7 +61,8 @@ class InFlight:
 
 class Reader:
     def __init__(self, agent: Agent, lanes: list[CopyLane], local: RegionTable, rank: int,
-                 tp_size: int, num_kv_heads: int, clock: Callable[[], float], wake: threading.Event):
+                 tp_size: int, num_kv_heads: int, clock: Callable[[], float], wake: threading.Event,
+                 secret: bytes | None = None):
         self.agent = agent
         self.lanes = lanes
         self.local = local
@@ -69,6 +71,7 @@ class Reader:
         self.num_kv_heads = num_kv_heads
         self.clock = clock
         self.wake = wake  # set by lanes when a part ends
+        self.secret = secret  # signs DONE notifications
         self.peers: dict[str, LoadedPeer] = {}
         self.evicting: set[str] = set()  # dropped by the engine; agents go once their READs end
         self.inflight: list[InFlight] = []
@@ -134,8 +137,9 @@ class Reader:
             local = np.concatenate([l for l, _ in parts])
             remote = np.concatenate([r for _, r in parts])
             name = peer.ranks[p_rank].agent_name
-            note = _notification_encoder.encode(Notification(
-                spec.remote_request_id, consumer_engine_id, self.rank, self.tp_size, NotificationKind.DONE))
+            note = _notification_encoder.encode(sign_notification(Notification(
+                spec.remote_request_id, consumer_engine_id, self.rank, self.tp_size, NotificationKind.DONE),
+                self.secret))
             read.num_bytes += int(local[:, 1].sum())
             read.num_descriptors += len(local)
             shares = lane_shares(local[:, 1], 1 + len(self.lanes))

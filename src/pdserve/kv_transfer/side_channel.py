@@ -5,15 +5,14 @@ and the step loop never waits on the network:
 * `SideChannelServer` (producer): a ROUTER bound to the configured host (port 0 = any, reported).
 * `SideChannelClient` (consumer): one DEALER per producer address, every exchange asynchronous with
   its own timeout, so handshakes with different producers run concurrently.
-Frames are [hmac, seq, msgpack body]; with a shared secret every request and reply carries an
-HMAC-SHA256 of seq + body, and the server refuses requests whose HMAC does not verify.
-`ZmqNetwork` makes both; `transport.loopback.LoopbackNetwork` is its in-process stand-in.
+Frames, MACs and replay refusal are frames.py's; the server answers every request it cannot take
+(unauthenticated, replayed, malformed, too big in its lists) with a typed `ErrorReply` and logs
+each kind at most every 10 s. `ZmqNetwork` makes both; `transport.loopback.LoopbackNetwork` is its
+in-process stand-in.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import queue
 import threading
@@ -24,26 +23,21 @@ from typing import Callable
 import msgspec
 import zmq
 
-from pdserve.kv_transfer.messages import (HANDSHAKE_VERSION, HandshakeReply, SideChannelReply,
-                                          SideChannelRequest)
+from pdserve.kv_transfer.frames import (MAX_REPLY_BYTES, MAX_REQUEST_BYTES, ReplayWindow, encode_reply,
+                                        encode_request, new_client_id, parse_header, verify)
+from pdserve.kv_transfer.messages import ErrorReply, SideChannelReply, SideChannelRequest
+
+__all__ = ["ZmqNetwork", "SideChannelServer", "SideChannelClient", "SideChannelError", "encode_request"]
 
 logger = logging.getLogger(__name__)
 
-_encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(SideChannelRequest)
 _reply_decoder = msgspec.msgpack.Decoder(SideChannelReply)
+LOG_EVERY_S = 10.0
 
 
 class SideChannelError(RuntimeError):
     pass
-
-
-def _mac(secret: bytes | None, seq: bytes, body: bytes) -> bytes:
-    return hmac.new(secret, seq + body, hashlib.sha256).digest() if secret else b""
-
-
-def _verify(secret: bytes | None, mac: bytes, seq: bytes, body: bytes) -> bool:
-    return not secret or hmac.compare_digest(mac, _mac(secret, seq, body))
 
 
 class ZmqNetwork:
@@ -67,6 +61,7 @@ class SideChannelServer:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # larger: the connection is dropped
         endpoint = f"tcp://[{host}]:{port or '*'}" if ":" in host else f"tcp://{host}:{port or '*'}"
         if ":" in host:
             self._sock.setsockopt(zmq.IPV6, 1)
@@ -74,6 +69,8 @@ class SideChannelServer:
         self.port = int(self._sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self._secret = secret
         self._handler = handler
+        self._replays = ReplayWindow()
+        self._logged: dict[str, float] = {}
         self._stop = threading.Event()
         self.num_refused = 0
         self._thread = threading.Thread(target=self._run, name="pdserve-side-channel", daemon=True)
@@ -89,27 +86,38 @@ class SideChannelServer:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 continue
-            if len(frames) != 4:
-                self.num_refused += 1
-                continue
-            identity, mac, seq, body = frames
-            if not _verify(self._secret, mac, seq, body):
-                self.num_refused += 1
-                logger.warning("side channel: refused a request without a valid HMAC")
-                out = _encoder.encode(HandshakeReply(HANDSHAKE_VERSION, "", error=(
-                    "unauthenticated: the request's HMAC is missing or wrong (is the shared "
-                    "secret set on both sides?)")))
-                self._sock.send_multipart([identity, b"", seq, out])
-                continue
             try:
-                reply = self._handler(_request_decoder.decode(body))
-            except Exception:  # noqa: BLE001 - a bad peer never kills the listener
+                out = self._answer(frames[1:])
+            except Exception as e:  # noqa: BLE001 - a bad peer never kills the listener
                 logger.exception("side channel: cannot handle a request")
-                self.num_refused += 1
-                continue
-            out = _encoder.encode(reply)
-            self._sock.send_multipart([identity, _mac(self._secret, seq, out), seq, out])
+                out = ErrorReply(f"internal error: {type(e).__name__}")
+            head = frames[2] if len(frames) == 4 else b""
+            self._sock.send_multipart([frames[0], *encode_reply(self._secret, head, out)])
         self._sock.close(0)
+
+    def _answer(self, frames: list[bytes]):
+        """The reply to one request (an ErrorReply when it cannot be taken)."""
+        if len(frames) != 3 or parse_header(frames[1]) is None:
+            return self._refuse("malformed frames", "malformed request: expected [mac, header, body] frames")
+        tag, head, body = frames
+        if not verify(self._secret, tag, head, body):
+            return self._refuse("unauthenticated", "unauthenticated: the request's HMAC is missing or wrong "
+                                                   "(is the same shared secret set on both sides?)")
+        if self._secret is not None and not self._replays.accept(*parse_header(head)):
+            return self._refuse("replayed", "replayed: this sequence number was already seen")
+        try:
+            msg = _request_decoder.decode(body)
+        except msgspec.DecodeError as e:  # includes lists over their bound
+            return self._refuse("malformed", f"malformed message: {e}")
+        return self._handler(msg)
+
+    def _refuse(self, kind: str, message: str) -> ErrorReply:
+        self.num_refused += 1
+        now = time.monotonic()
+        if now - self._logged.get(kind, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._logged[kind] = now
+            logger.warning("side channel: refused a request (%s; %d refused in all)", kind, self.num_refused)
+        return ErrorReply(message)
 
     def close(self) -> None:
         self._stop.set()
@@ -122,6 +130,7 @@ class SideChannelClient:
 
     def __init__(self, secret: bytes | None):
         self._secret = secret
+        self._client_id = new_client_id()
         self._ctx = zmq.Context.instance()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_addr = f"inproc://pdserve-client-{uuid.uuid4().hex}"
@@ -154,7 +163,7 @@ class SideChannelClient:
     def _run(self) -> None:
         self._sockets: dict[tuple[str, int], zmq.Socket] = {}
         self._last_used: dict[tuple[str, int], float] = {}
-        self._pending: dict[tuple[int, int], tuple[float, Callable]] = {}  # (socket id, seq) -> ...
+        self._pending: dict[int, tuple[float, Callable, int]] = {}  # seq -> (deadline, callback, socket id)
         self._seq = 0
         self._poller = zmq.Poller()
         self._poller.register(self._wake_recv, zmq.POLLIN)
@@ -171,7 +180,7 @@ class SideChannelClient:
     def _turn(self) -> None:
         timeout_ms = 1000
         if self._pending:
-            nearest = min(d for d, _ in self._pending.values())
+            nearest = min(d for d, _, _ in self._pending.values())
             timeout_ms = max(0, int((nearest - time.monotonic()) * 1000) + 1)
         events = dict(self._poller.poll(timeout_ms))
         if self._wake_recv in events:
@@ -187,7 +196,7 @@ class SideChannelClient:
             if sock in events:
                 self._receive(sock)
         now = time.monotonic()
-        for key, (deadline, on_reply) in list(self._pending.items()):
+        for key, (deadline, on_reply, _) in list(self._pending.items()):
             if deadline <= now:
                 del self._pending[key]
                 _call(on_reply, TimeoutError("no answer within the timeout"))
@@ -200,6 +209,7 @@ class SideChannelClient:
             if sock is None:
                 sock = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
                 try:
                     if ":" in host:
                         sock.setsockopt(zmq.IPV6, 1)
@@ -211,10 +221,8 @@ class SideChannelClient:
                 self._poller.register(sock, zmq.POLLIN)
             self._last_used[addr] = time.monotonic()
             self._seq += 1
-            seq_b = self._seq.to_bytes(8, "little")
-            body = _encoder.encode(request)
-            sock.send_multipart([_mac(self._secret, seq_b, body), seq_b, body], zmq.NOBLOCK)
-            self._pending[(id(sock), self._seq)] = (time.monotonic() + timeout_s, on_reply)
+            sock.send_multipart(encode_request(self._secret, self._client_id, self._seq, request), zmq.NOBLOCK)
+            self._pending[self._seq] = (time.monotonic() + timeout_s, on_reply, id(sock))
         except zmq.ZMQError as e:
             _call(on_reply, SideChannelError(f"cannot reach {host}:{port}: {e}"))
 
@@ -224,13 +232,14 @@ class SideChannelClient:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 3:
+            parsed = parse_header(frames[1]) if len(frames) == 3 else None
+            if parsed is None or parsed[0] != self._client_id:
                 continue
-            mac, seq_b, body = frames
-            entry = self._pending.pop((id(sock), int.from_bytes(seq_b, "little")), None)
+            tag, head, body = frames
+            entry = self._pending.pop(parsed[1], None)
             if entry is None:
                 continue  # answered after its timeout
-            if not _verify(self._secret, mac, seq_b, body):
+            if not verify(self._secret, tag, head, body):
                 _call(entry[1], SideChannelError("reply without a valid HMAC"))
                 continue
             try:
@@ -242,7 +251,7 @@ class SideChannelClient:
     def _close_idle(self, now: float) -> None:
         """A DEALER unused for a minute with nothing pending is closed (bogus addresses do not
         accumulate sockets)."""
-        busy = {key[0] for key in self._pending}
+        busy = {sock_id for _, _, sock_id in self._pending.values()}
         for addr, last in list(self._last_used.items()):
             sock = self._sockets[addr]
             if now - last > IDLE_SOCKET_S and id(sock) not in busy:

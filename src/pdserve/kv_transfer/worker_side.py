@@ -57,7 +57,8 @@ class WorkerConnector:
         self._wake = threading.Event()
         lanes = [CopyLane(make_agent(f"{engine_id}/rank{rank}/lane{i}"), cache.address, cache.size_bytes,
                           cache.device, threaded, clock) for i in range(1, config.copy_lanes)]
-        self.reader = Reader(self.agent, lanes, r, rank, tp_size, num_kv_heads, clock, self._wake)
+        self.reader = Reader(self.agent, lanes, r, rank, tp_size, num_kv_heads, clock, self._wake,
+                             config.secret)
         self._inbox: queue.SimpleQueue[ConnectorMetadata | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._report = ConnectorReport()

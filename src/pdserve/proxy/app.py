@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdserve.config import ProxyConfig
-from pdserve.http.errors import APIError
-from pdserve.http.middleware import RequestContext
+from pdserve.http.errors import APIError, install_handlers
+from pdserve.http.middleware import BodyLimit, RequestContext
 from pdserve.proxy.flow import PDFlow
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.router import Router
@@ -39,6 +39,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)
     app.add_middleware(RequestContext, api_key=config.api_key, log=False)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)
+    install_handlers(app)
     app.state.router = router
 
     @app.exception_handler(APIError)

@@ -53,6 +53,7 @@ class PDFlow:
     async def handle(self, raw_body: bytes, path: str, request_id: str) -> Response:
         start = time.monotonic()
         body = parse_body(raw_body)
+        body.pop("kv_transfer_params", None)  # the producer's word, never the client's
         headers = {"X-Request-Id": request_id}
         protocol = await self.upstream_protocol()
         prefill, decode = self.router.prefill.pick(), self.router.decode.pick()
@@ -156,6 +157,8 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}", param="body") from None
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply", param="body") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object", param="body")
     return body

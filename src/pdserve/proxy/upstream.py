@@ -5,7 +5,18 @@ Proxy process. One `httpx.AsyncClient` per upstream, reused by every request.
 
 from __future__ import annotations
 
+import json
+
 import httpx
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+def _encode(body: dict) -> bytes:
+    """The client's JSON as the instance should judge it (a NaN the client sent stays a NaN: the
+    instance answers 400 naming the field, as it would to the client directly)."""
+    return json.dumps(body, allow_nan=True).encode()
 
 
 class UpstreamError(RuntimeError):
@@ -23,13 +34,13 @@ class Upstream:
 
     async def post_json(self, path: str, body: dict, headers: dict) -> httpx.Response:
         try:
-            return await self.client.post(path, json=body, headers=headers)
+            return await self.client.post(path, content=_encode(body), headers={**headers, **_JSON})
         except httpx.HTTPError as e:
             raise UpstreamError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
 
     def stream(self, path: str, body: dict, headers: dict):
         """Async context manager yielding the streaming response."""
-        return self.client.stream("POST", path, json=body, headers=headers)
+        return self.client.stream("POST", path, content=_encode(body), headers={**headers, **_JSON})
 
     async def owner(self) -> str | None:
         """`owned_by` of the instance's first model ("pdserve", "vllm", ...); None if unknown."""

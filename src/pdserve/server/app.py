@@ -20,9 +20,9 @@ from pdserve.config import EngineConfig, ServerConfig
 from pdserve.model.generation_config import GenerationDefaults
 from pdserve.sampling_params import InvalidRequestError
 from pdserve.server.async_engine import AsyncEngine, EngineDeadError
-from pdserve.http.errors import APIError, validation_error
+from pdserve.http.errors import APIError, install_handlers, validation_error
 from pdserve.server.metrics import ServerMetrics
-from pdserve.http.middleware import RequestContext
+from pdserve.http.middleware import BodyLimit, RequestContext
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pdserve.server.serving import InFlight
 from pdserve.server.serving_chat import ChatServing
@@ -51,6 +51,8 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.add_middleware(RequestContext, api_key=server.api_key)
+    app.add_middleware(BodyLimit, max_bytes=server.max_request_body_bytes)
+    install_handlers(app)
     app.state.engine = engine
     app.state.metrics = metrics
 

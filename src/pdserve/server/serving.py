@@ -25,6 +25,7 @@ from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import Usage
 
 logger = logging.getLogger("pdserve.server")
+MAX_CHARS_PER_TOKEN = 64
 
 
 @dataclass
@@ -79,6 +80,15 @@ class BaseServing:
     @property
     def tokenizer(self):
         return self.engine.engine.tokenizer
+
+    def encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt, refused before tokenizing when the text could never fit the
+        context (no token is longer than MAX_CHARS_PER_TOKEN characters in practice)."""
+        limit = self.engine.engine.max_model_len * MAX_CHARS_PER_TOKEN
+        if len(text) > limit:
+            raise InvalidRequestError(field, f"is too long: {len(text)} characters, more than the "
+                                             f"context of {self.engine.engine.max_model_len} tokens can hold")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     # --- request -> sampling params ----------------------------------------------------------
 

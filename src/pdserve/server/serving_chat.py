@@ -3,6 +3,8 @@ Server process, event loop."""
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.sampling_params import InvalidRequestError
@@ -35,13 +37,13 @@ class ChatServing(BaseServing):
         except ChatTemplateError as e:
             field = "chat_template" if req.chat_template is not None else "messages"
             raise InvalidRequestError(field, f"the chat template refused them: {e}") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.encode(text, "messages", add_special_tokens=False)
 
     async def create(self, req: ChatCompletionRequest, request_id: str, raw_request):
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs", "requires logprobs to be true")
-        prompt = self.prompt(req)
+        prompt = await asyncio.to_thread(self.prompt, req)  # tokenizing never blocks the event loop
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, num_logprobs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.sampling_params import InvalidRequestError
@@ -16,11 +18,11 @@ class CompletionServing(BaseServing):
         if not p or (isinstance(p, list) and any(isinstance(x, (str, list)) and not x for x in p)):
             raise InvalidRequestError("prompt", "must not be empty")
         if isinstance(p, str):
-            return [self.tokenizer.encode(p)]
+            return [self.encode(p, "prompt")]
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         if all(isinstance(x, str) for x in p):
-            return [self.tokenizer.encode(x) for x in p]
+            return [self.encode(x, "prompt") for x in p]
         if all(isinstance(x, list) for x in p):
             return [list(x) for x in p]
         raise InvalidRequestError("prompt", "must be a string, a list of strings, or token ids")
@@ -29,7 +31,7 @@ class CompletionServing(BaseServing):
         self.check_model(req.model)
         if req.echo or req.suffix:
             raise InvalidRequestError("echo" if req.echo else "suffix", "is not supported")
-        prompts = self.prompts(req)
+        prompts = await asyncio.to_thread(self.prompts, req)  # tokenizing never blocks the event loop
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         kv = self.transfer_params(req, len(prompts))
         choices, streams = await self.start(request_id, prompts, params, kv)
