@@ -137,7 +137,8 @@ def _serve(args) -> int:
     server = ServerConfig(
         host=args.host, port=args.port, served_model_name=name,
         api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"), max_pending=args.max_pending,
-        shutdown_timeout_s=args.shutdown_timeout_s, port_file=args.port_file,
+        shutdown_timeout_s=args.shutdown_timeout_s, drain_timeout_s=args.drain_timeout_s,
+        port_file=args.port_file,
         enable_debug_endpoints=args.enable_debug_endpoints, generation_config=args.generation_config,
         max_request_body_bytes=args.max_request_body_bytes)
     run_server(server, engine_config(args), args.log_level.upper())
@@ -151,7 +152,8 @@ def _proxy(args) -> int:
         port=args.port, api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"),
         upstream_api_key=args.upstream_api_key or os.environ.get("PDSERVE_UPSTREAM_API_KEY"),
         port_file=args.port_file, upstream_protocol=args.upstream_protocol,
-        max_request_body_bytes=args.max_request_body_bytes)
+        max_request_body_bytes=args.max_request_body_bytes, probe_interval_s=args.probe_interval_s,
+        max_wait_s=args.max_wait_s)
     run_proxy(config, args.log_level.upper())
     return 0
 
@@ -206,7 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="also read from PDSERVE_API_KEY")
     p.add_argument("--max-pending", type=int, default=1024)
     p.add_argument("--max-request-body-bytes", type=int, default=8 << 20, help="larger bodies get a 413")
-    p.add_argument("--shutdown-timeout-s", type=float, default=10.0)
+    p.add_argument("--shutdown-timeout-s", type=float, default=10.0,
+                   help="on SIGTERM, in-flight HTTP requests get this long to finish")
+    p.add_argument("--drain-timeout-s", type=float, default=60.0,
+                   help="then leases for remote readers and KV loads get this long to end")
     p.add_argument("--enable-debug-endpoints", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--chat-template", default=None,
                    help="a chat template file (or the template itself) instead of the checkpoint's")
@@ -225,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--upstream-api-key", default=None,
                    help="sent to the instances (also PDSERVE_UPSTREAM_API_KEY)")
     p.add_argument("--max-request-body-bytes", type=int, default=8 << 20, help="larger bodies get a 413")
+    p.add_argument("--max-wait-s", type=float, default=30.0,
+                   help="how long a request waits while every prefill instance is busy, then 503")
+    p.add_argument("--probe-interval-s", type=float, default=1.0,
+                   help="how often the instances' health and load are asked")
     p.add_argument("--upstream-protocol", default="auto", choices=["auto", "pdserve", "vllm"],
                    help="what the instances are: vllm producers get max_tokens 1 (auto: ask them)")
     p.set_defaults(func=_proxy)

@@ -150,7 +150,8 @@ class ServerConfig:
     api_key: str | None = None
     max_pending: int = 1024  # in-flight HTTP requests before 503
     max_request_body_bytes: int = 8 << 20  # larger bodies get a 413
-    shutdown_timeout_s: float = 10.0
+    shutdown_timeout_s: float = 10.0  # in-flight HTTP requests finish within this after SIGTERM
+    drain_timeout_s: float = 60.0  # then leases and KV loads end within this before the engine stops
     port_file: str | None = None
     enable_debug_endpoints: bool = False  # tests only: KV checksums, loaded peers
     generation_config: str = "auto"  # "auto": the checkpoint's sampling defaults; "vllm": pdserve's
@@ -173,6 +174,8 @@ class ProxyConfig:
     port_file: str | None = None
     upstream_protocol: str = "auto"  # pdserve or vllm instances (auto: ask them)
     max_request_body_bytes: int = 8 << 20  # larger bodies get a 413
+    probe_interval_s: float = 1.0  # how often each instance's /health (and load) is asked
+    max_wait_s: float = 30.0  # how long a request waits while every producer is busy (then 503)
 
     def __post_init__(self):
         _check(self.upstream_protocol in ("auto", "pdserve", "vllm"), "upstream_protocol",

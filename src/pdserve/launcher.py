@@ -163,11 +163,13 @@ class Deployment:
         return self
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        everything = ([self.proxy] if self.proxy else []) + self.instances
-        for inst in everything:
-            inst.signal(signal.SIGTERM)
-        for inst in everything:
-            inst.stop(timeout_s)
+        """The proxy first (no new requests), then the producers (each keeps its leases until
+        decode has read them, bounded by its drain timeout), then decode (its streams finish)."""
+        for group in ([self.proxy] if self.proxy else [], self.prefill, self.decode):
+            for inst in group:
+                inst.signal(signal.SIGTERM)
+            for inst in group:
+                inst.stop(timeout_s)
 
     def __enter__(self):
         return self.start()

@@ -104,7 +104,7 @@ def test_generation_config_defaults(tmp_path, caplog):
     assert defaults == GenerationDefaults(temperature=0.6, top_p=0.9, top_k=20, max_tokens=77)
     assert "repetition_penalty" in caplog.text
     assert GenerationDefaults.from_dir(tmp_path, "vllm") == GenerationDefaults()
-    serving = BaseServing(None, "m", None, None, defaults)
+    serving = BaseServing(None, "m", None, defaults)
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
     p = serving.sampling_params(req, None, None)
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.6, 0.9, 20, 77)

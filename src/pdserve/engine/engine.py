@@ -37,6 +37,10 @@ from pdserve.worker.messages import StepInput
 logger = logging.getLogger(__name__)
 
 
+class OverloadedError(RuntimeError):
+    """This instance cannot take the request now (maps to 503 with Retry-After)."""
+
+
 def new_engine_id() -> str:
     """Unique per process start: a restarted producer is a new peer."""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -119,6 +123,7 @@ class Engine:
                 raise InvalidRequestError("kv_transfer_params.first_token_logprob",
                                           "is required when logprobs are requested (send the "
                                           "request to the producer with logprobs too)")
+        self._check_capacity(n, kv_transfer)
         self.connector.add_request(request_id, kv_transfer)  # the last check: nothing raises after it
         max_tokens = self.max_model_len - n
         if params.max_tokens is not None:
@@ -130,6 +135,17 @@ class Engine:
         self.scheduler.add(request)
         if request.transfer == TransferState.AWAITING_KV:
             self._emit_first_token(request)
+
+    def _check_capacity(self, num_prompt_tokens: int, kv_transfer: KVTransferParams | None) -> None:
+        """A request that could not start even if everything running and queued here finished,
+        because leases (blocks a remote reader has not read yet) and quarantine pin the rest, is
+        refused now (503): waiting would not help; another instance might."""
+        need = self.pool.blocks_needed(num_prompt_tokens + 1)
+        pinned = self.connector.num_leased_blocks() + self.pool.num_quarantined_blocks
+        if need > self.num_blocks - pinned:
+            raise OverloadedError(
+                f"{pinned} of {self.num_blocks} KV blocks are held for remote readers or quarantined; "
+                f"the prompt needs {need}")
 
     def _emit_first_token(self, request: Request) -> None:
         """P/D consumer: the producer's first token is this request's first output, sent at once."""
@@ -247,6 +263,17 @@ class Engine:
         return pending
 
     # --- introspection ----------------------------------------------------------------------------
+
+    def warnings(self) -> list[str]:
+        """Conditions an operator must know about (shown by /health and /metrics)."""
+        return list(self.connector.warnings)
+
+    def load(self) -> dict:
+        """What a router weighs (reported by /health): queue and KV use."""
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "num_waiting_for_remote_kv": len(self.scheduler.loading),
+                "kv_cache_usage": 1 - self.pool.num_free_blocks / self.num_blocks,
+                "num_leased_blocks": self.connector.num_leased_blocks()}
 
     def stats(self, drain: bool = False) -> dict:
         """Counts for /metrics; `drain` also hands over the connector's new per-transfer records."""

@@ -38,12 +38,14 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str | None = None, param: str | None = None):
+    def __init__(self, status: int, message: str, type: str | None = None, param: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type or _TYPES.get(status, "Error")
         self.param = param
+        self.headers = headers or {}
 
     @classmethod
     def bad_request(cls, e: InvalidRequestError) -> "APIError":
@@ -54,7 +56,7 @@ class APIError(Exception):
         return ErrorResponse(error=info).model_dump()
 
     def response(self, headers: dict | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers={**self.headers, **(headers or {})})
 
 
 def validation_error(errors: list[dict]) -> APIError:

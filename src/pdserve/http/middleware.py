@@ -27,7 +27,7 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-PROTECTED = ("/v1", "/debug", "/metrics")  # behind the API key when one is set (/health is not)
+PROTECTED = ("/v1", "/debug", "/metrics", "/kv")  # behind the API key when one is set (/health is not)
 
 
 class RequestContext:
@@ -110,3 +110,27 @@ class BodyLimit:
     async def _refuse(self, scope, receive, send):
         error = APIError(413, f"request body larger than {self.max_bytes} bytes", param="body")
         await error.response()(scope, receive, send)
+
+
+class Admission:
+    """At most `limit` generation requests (POST /v1/...) in flight, from arrival to their last
+    byte, streamed or not; the next one gets a 503 with Retry-After at once. Counted before
+    anything is awaited, so a burst is admitted exactly up to the limit."""
+
+    def __init__(self, app, limit: int, retry_after_s: int = 1):
+        self.app = app
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.count = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST" or not scope.get("path", "").startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        if self.count >= self.limit:
+            error = APIError(503, f"overloaded: {self.count} requests in flight (--max-pending {self.limit})")
+            return await error.response({"Retry-After": str(self.retry_after_s)})(scope, receive, send)
+        self.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.count -= 1

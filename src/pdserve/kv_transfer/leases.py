@@ -70,6 +70,11 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
+    @property
+    def num_blocks(self) -> int:
+        with self._lock:
+            return sum(len(l.block_ids) for l in self._leases.values())
+
     def add(self, request_id: str, block_ids: list[int], digest: str, now: float) -> Lease:
         with self._lock:
             lease = Lease(request_id, list(block_ids), now + self.lease_s, digest)
@@ -108,6 +113,17 @@ class LeaseTable:
                     self.num_released += 1
                     n += 1
         return n
+
+    def release_unclaimed(self, request_id: str, digest: str) -> bool:
+        """Free a lease no consumer has bound yet (given its params' digest)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.state != LeaseState.HELD or lease.consumer_engine_id is not None \
+                    or lease.digest != digest:
+                return False
+            lease.move_to(LeaseState.RELEASED)
+            self.num_released += 1
+            return True
 
     def notify(self, producer_rank: int, sender: str, note: Notification) -> bool:
         """Record one rank's notification. False when it is unknown or late, or does not come from

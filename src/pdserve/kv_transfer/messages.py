@@ -30,6 +30,7 @@ class RankAgent(msgspec.Struct, frozen=True):
     num_kv_heads: int  # heads held by this rank
     block_bytes: int
     head_bytes: int
+    hostname: str = ""  # a peer on the same host should be read over shared memory or cma
 
 
 class Fingerprint(msgspec.Struct, frozen=True):
@@ -125,6 +126,7 @@ class ConnectorReport(msgspec.Struct):
     failed: list[ReadFailure] = []
     notifications: list[ReceivedNotification] = []
     num_bad_notifications: int = 0  # received but undecodable
+    warnings: list[str] = []  # new since the last report (a slow transport to a same-host peer)
 
 
 # --- consumer engine <-> producer engine, side channel ------------------------------------------

@@ -77,7 +77,7 @@ class KVTransferParams:
             prompt_hash=p.str("prompt_hash"),
             lease_s=p.float("lease_s", lo=0.0, hi=MAX_LEASE_S),
             expires_at=p.float("expires_at", lo=0.0, hi=1e11),
-            signature=p.str("signature"),
+            signature=p.hex("signature", 64),
         )
         if params.do_remote_decode and params.do_remote_prefill:
             raise InvalidRequestError(f"{FIELD}.do_remote_prefill",
@@ -169,8 +169,14 @@ class _Reader:
 
     def str(self, key: str) -> str | None:
         value = self._get(key, (str,), "a string")
-        if value is not None and not value:
-            raise InvalidRequestError(f"{FIELD}.{key}", "must not be empty")
+        if value is not None and not 0 < len(value) <= 256:
+            raise InvalidRequestError(f"{FIELD}.{key}", "must be 1 to 256 characters")
+        return value
+
+    def hex(self, key: str, length: int) -> str | None:
+        value = self.str(key)
+        if value is not None and (len(value) != length or any(c not in "0123456789abcdef" for c in value)):
+            raise InvalidRequestError(f"{FIELD}.{key}", f"must be {length} lowercase hex digits")
         return value
 
     def host(self, key: str) -> str | None:

@@ -23,7 +23,8 @@ from pdserve.kv_transfer.messages import (Fingerprint, HandshakeRequest, Heartbe
                                           RankAgent, ReceivedNotification, Release, ReleaseAck)
 from pdserve.kv_transfer.outcomes import ConnectorOutcome, Handoff
 from pdserve.kv_transfer.params import FirstToken, KVTransferParams, prompt_hash
-from pdserve.kv_transfer.signing import notification_mac_ok, sign
+from pdserve.kv_transfer.signing import notification_mac_ok, sign, verify
+from pdserve.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,17 @@ class ProducerSide:
             params = dataclasses.replace(params, signature=sign(params, self.config.secret))
         self.leases.add(request_id, kept, params.lease_digest(), self.clock())
         return Handoff(kept, params.to_json())
+
+    def release_unclaimed(self, params: KVTransferParams) -> bool:
+        """Free a lease nobody has claimed (the proxy found no decode for it). Only this producer's
+        own params, signed when there is a secret; a lease a consumer holds is its business."""
+        if params.remote_engine_id != self.engine_id or params.remote_request_id is None:
+            return False
+        try:
+            verify(params, self.config.secret, now=0.0)  # an expired lease may still be handed back
+        except InvalidRequestError:
+            return False
+        return self.leases.release_unclaimed(params.remote_request_id, params.lease_digest())
 
     def process_notifications(self, received: list[ReceivedNotification], num_bad: int) -> None:
         self.num_bad_notifications += num_bad

@@ -41,6 +41,7 @@ class SchedulerConnector:
         self.consumer = ConsumerSide(config, engine_id, fingerprint, len(rank_agents),
                                      fingerprint.num_kv_heads, self.client, self.outcome, clock, wake)
         self._ranks_polling = False
+        self.warnings: dict[str, None] = {}  # what operators must know (a slow transport), in order
 
     # --- per request ----------------------------------------------------------------------------
 
@@ -67,6 +68,19 @@ class SchedulerConnector:
     def request_finished(self, request_id: str) -> None:
         self.consumer.finished(request_id)
 
+    def release_handoff(self, params: KVTransferParams) -> bool:
+        """The proxy found no decode instance for these params: free the lease, unless a consumer
+        already holds it (then that consumer decides)."""
+        return self.producer.release_unclaimed(params)
+
+    def num_leased_blocks(self) -> int:
+        return self.producer.leases.num_blocks
+
+    @property
+    def busy(self) -> bool:
+        """Leases held for readers, or loads in progress: a draining instance waits for them."""
+        return self.producer.has_leases or bool(self.consumer.loads)
+
     # --- per step -------------------------------------------------------------------------------
 
     def tick(self) -> ConnectorOutcome:
@@ -87,6 +101,9 @@ class SchedulerConnector:
 
     def process_reports(self, reports: list[ConnectorReport | None]) -> ConnectorOutcome:
         reports = [r or ConnectorReport() for r in reports]
+        for r in reports:
+            for w in r.warnings:
+                self.warnings.setdefault(w, None)
         self.producer.process_notifications([n for r in reports for n in r.notifications],
                                             sum(r.num_bad_notifications for r in reports))
         self.consumer.process(reports)
@@ -111,7 +128,7 @@ class SchedulerConnector:
                "transfers": list(c.transfers), "handshake_latencies": list(c.peers.latencies),
                "num_handshakes_served": self.producer.num_handshakes_served,
                "side_channel_port": self.producer.server.port,
-               "peers": sorted(c.peers.peers)}
+               "peers": sorted(c.peers.peers), "warnings": list(self.warnings)}
         if drain:
             c.transfers.clear()
             c.peers.take_latencies()
@@ -142,6 +159,16 @@ class NoConnector:
 
     def request_finished(self, request_id: str) -> None:
         pass
+
+    def release_handoff(self, params: KVTransferParams) -> bool:
+        return False
+
+    def num_leased_blocks(self) -> int:
+        return 0
+
+    warnings: dict = {}
+
+    busy = False
 
     def tick(self) -> ConnectorOutcome:
         return ConnectorOutcome()

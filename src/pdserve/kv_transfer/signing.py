@@ -40,7 +40,7 @@ def verify(params: KVTransferParams, secret: bytes | None, now: float) -> None:
         return
     if not params.signature:
         raise InvalidRequestError(f"{FIELD}.signature", "is required: this deployment signs its params")
-    if not hmac.compare_digest(params.signature, sign(params, secret)):
+    if not hmac.compare_digest(params.signature.encode(), sign(params, secret).encode()):
         raise InvalidRequestError(f"{FIELD}.signature",
                                   "does not match: the params were changed or not issued by a producer "
                                   "of this deployment")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
+import socket
 import threading
 import time
 from typing import Callable
@@ -53,7 +54,8 @@ class WorkerConnector:
         self.agent.register(cache.address, cache.size_bytes, cache.device)
         r = cache.regions
         self._rank_agent = RankAgent(rank, self.agent.name, self.agent.metadata(), list(r.region_addresses),
-                                     r.num_blocks, r.num_kv_heads, r.block_bytes, r.head_bytes)
+                                     r.num_blocks, r.num_kv_heads, r.block_bytes, r.head_bytes,
+                                     socket.gethostname())
         self._wake = threading.Event()
         lanes = [CopyLane(make_agent(f"{engine_id}/rank{rank}/lane{i}"), cache.address, cache.size_bytes,
                           cache.device, threaded, clock) for i in range(1, config.copy_lanes)]
@@ -143,6 +145,13 @@ class WorkerConnector:
                 self.reader.load_peer(peer)
             except Exception as e:  # noqa: BLE001 - the reads that need it fail below, clearly
                 logger.warning("rank %d: cannot load producer %s: %s", self.rank, peer.engine_id, e)
+                continue
+            warning = self._same_host_warning(peer)
+            if warning:
+                logger.warning("SLOW KV TRANSFERS: rank %d reads producer %s on this host without "
+                               "shared memory: %s", self.rank, peer.engine_id, warning)
+                with self._lock:
+                    self._report.warnings.append(f"producer {peer.engine_id} (same host): {warning}")
         self.reader.evict(meta.evict_peers)
         failed = []
         for spec in meta.reads:
@@ -155,6 +164,12 @@ class WorkerConnector:
             if failure is not None:
                 failed.append(failure)
         self._add(failed)
+
+    def _same_host_warning(self, peer) -> str | None:
+        here = socket.gethostname()
+        if not any(ra.hostname == here for ra in peer.ranks):
+            return None
+        return self.agent.same_host_warning()
 
     def _add(self, results: list[ReadDone | ReadFailure]) -> None:
         """READ outcomes for the next report."""

@@ -27,15 +27,17 @@ def create_app(config: ProxyConfig) -> FastAPI:
     def upstreams(urls):
         return [Upstream(u, config.upstream_api_key, config.connect_timeout_s,
                          config.request_timeout_s) for u in urls]
-    router = Router(upstreams(config.prefill_urls), upstreams(config.decode_urls))
+    router = Router(upstreams(config.prefill_urls), upstreams(config.decode_urls), config.probe_interval_s)
     metrics = ProxyMetrics()
-    flow = PDFlow(router, metrics, config.upstream_protocol)
+    flow = PDFlow(router, metrics, config.upstream_protocol, config.max_wait_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
-        for u in router.prefill.upstreams + router.decode.upstreams:
-            await u.close()
+        router.start()  # background probes: instances that come back rejoin by themselves
+        try:
+            yield
+        finally:
+            await router.stop()
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)
     app.add_middleware(RequestContext, api_key=config.api_key, log=False)
@@ -49,18 +51,20 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        p = await router.prefill.refresh()
-        d = await router.decode.refresh()
-        ok = any(p.values()) and any(d.values())
-        return JSONResponse({"prefill": p, "decode": d}, status_code=200 if ok else 503)
+        status = await router.probe()
+        ok = any(status["prefill"].values()) and any(status["decode"].values())
+        return JSONResponse(status, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus():
+        for pool in (router.prefill, router.decode):
+            for state in pool.states:
+                metrics.healthy.labels(pool.role, state.url).set(int(state.healthy))
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
-        upstream = router.decode.pick()
+        upstream = router.decode.candidates()[0].upstream
         try:
             r = await upstream.client.get("/v1/models")
         except Exception as e:  # noqa: BLE001
@@ -69,10 +73,12 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await flow.handle(await request.body(), "/v1/completions", request.state.request_id)
+        return await flow.handle(await request.body(), "/v1/completions", request.state.request_id,
+                                 request.is_disconnected)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await flow.handle(await request.body(), "/v1/chat/completions", request.state.request_id)
+        return await flow.handle(await request.body(), "/v1/chat/completions", request.state.request_id,
+                                 request.is_disconnected)
 
     return app

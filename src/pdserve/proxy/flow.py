@@ -10,36 +10,57 @@ Upstream protocols: `pdserve` instances hand off after their first token whateve
 says, so the client's body goes to them unchanged, and a client that wants one token is simply
 served by a producer without a transfer. `vllm` instances generate up to `max_tokens`, so they get
 `max_tokens: 1`, as vLLM's own proxy sends. `auto` asks the first prefill instance who it is.
+
+Failures (docs/design.md, "Failures"): each leg tries the pool's instances best first
+(router.py) while they refuse (503, other 5xx) or cannot be reached, before anything reaches the
+client; while every producer refuses the request waits (bounded); a decode leg that found no taker
+hands the producer's lease back at once (`/kv/release`), as does a client that leaves between the
+legs. A client that leaves cancels whichever leg runs.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import time
 
+import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.http.errors import APIError
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.router import Pool, Router
-from pdserve.proxy.upstream import Upstream, UpstreamError
+from pdserve.proxy.relay import as_stream, error_body, parse_body, relay
+from pdserve.proxy.router import Pool, Router, UpstreamState
+from pdserve.proxy.upstream import UpstreamError
 
 logger = logging.getLogger("pdserve.proxy")
 
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
-
-
 PROTOCOLS = ("auto", "pdserve", "vllm")
+CLIENT_GONE = 499  # nginx's code: the client closed the connection
+
+
+class _NoTaker(Exception):
+    """Every instance of a pool refused or could not be reached."""
+
+    def __init__(self, role: str, refused: bool, detail: str):
+        super().__init__(detail)
+        self.role, self.refused, self.detail = role, refused, detail
+
+    def error(self) -> APIError:
+        if self.refused:
+            return APIError(503, f"every {self.role} instance is busy: {self.detail}")
+        return APIError(502, f"no {self.role} instance reachable: {self.detail}")
 
 
 class PDFlow:
-    def __init__(self, router: Router, metrics: ProxyMetrics, protocol: str = "auto"):
+    def __init__(self, router: Router, metrics: ProxyMetrics, protocol: str = "auto", max_wait_s: float = 30.0):
         assert protocol in PROTOCOLS
         self.router = router
         self.metrics = metrics
         self.protocol = None if protocol == "auto" else protocol
+        self.max_wait_s = max_wait_s
 
     async def upstream_protocol(self) -> str:
         """`auto`: the first prefill instance's `owned_by` says (asked once; pdserve until known)."""
@@ -50,16 +71,30 @@ class PDFlow:
                 logger.info("upstream protocol: %s (the prefill instance is owned by %r)", self.protocol, owner)
         return self.protocol or "pdserve"
 
-    async def handle(self, raw_body: bytes, path: str, request_id: str) -> Response:
+    async def handle(self, raw_body: bytes, path: str, request_id: str, is_disconnected) -> Response:
+        """The client's answer; the legs are cancelled if the client leaves before it starts."""
+        flow = asyncio.ensure_future(self._handle(raw_body, path, request_id))
+        watcher = asyncio.ensure_future(_cancel_when_gone(is_disconnected, flow))
+        try:
+            return await flow
+        except asyncio.CancelledError:
+            if watcher.done() and not watcher.cancelled():
+                return Response(status_code=CLIENT_GONE)
+            raise
+        except _NoTaker as e:
+            return e.error().response({"Retry-After": "1"} if e.refused else None)
+        finally:
+            watcher.cancel()
+
+    async def _handle(self, raw_body: bytes, path: str, request_id: str) -> Response:
         start = time.monotonic()
         body = parse_body(raw_body)
         body.pop("kv_transfer_params", None)  # the producer's word, never the client's
         headers = {"X-Request-Id": request_id}
         protocol = await self.upstream_protocol()
-        prefill, decode = self.router.prefill.pick(), self.router.decode.pick()
         if protocol == "pdserve" and _max_tokens(body) == 1:  # nothing to decode: no transfer
             self.metrics.requests.labels("prefill_only").inc()
-            return await self._forward(self.router.prefill, prefill, "prefill", path, body, headers, start)
+            return await self._answer(self.router.prefill, path, body, headers, start)
 
         p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         p_body["stream"] = False
@@ -68,12 +103,11 @@ class PDFlow:
             p_body["max_tokens"] = 1
             if "max_completion_tokens" in p_body:
                 p_body["max_completion_tokens"] = 1
-        p_resp = await self._post(self.router.prefill, prefill, "prefill", path, p_body, headers)
+        producer, p_resp = await self._post(self.router.prefill, path, p_body, headers)
         self.metrics.prefill.observe(time.monotonic() - start)
         if p_resp.status_code != 200:
             self.metrics.requests.labels(f"prefill_{p_resp.status_code}").inc()
-            return Response(p_resp.content, status_code=p_resp.status_code,
-                            media_type="application/json", headers=headers)
+            return _passed_on(p_resp, headers)
         p_json = p_resp.json()
         kv = p_json.get("kv_transfer_params")
         if not kv and (protocol == "pdserve" or _all_stopped(p_json)):
@@ -85,62 +119,139 @@ class PDFlow:
             return JSONResponse(p_json, headers=headers)
         # (a vLLM producer without a connector returns no params: decode then does it all)
         self.metrics.requests.labels("disaggregated" if kv else "decode_only").inc()
-        d_body = {**body, "kv_transfer_params": kv} if kv else body
-        return await self._forward(self.router.decode, decode, "decode", path, d_body, headers, start)
-
-    async def _forward(self, pool: Pool, upstream: Upstream, role: str, path: str, body: dict,
-                       headers: dict, start: float) -> Response:
-        """The client's answer comes from this upstream, streamed or whole."""
-        if body.get("stream"):
-            return StreamingResponse(self._relay(upstream, role, path, body, headers, start),
-                                     media_type="text/event-stream", headers=headers)
-        resp = await self._post(pool, upstream, role, path, body, headers)
-        self.metrics.e2e.observe(time.monotonic() - start)
-        return Response(resp.content, status_code=resp.status_code,
-                        media_type="application/json", headers=headers)
-
-    async def _post(self, pool: Pool, upstream: Upstream, role: str, path: str, body: dict, headers: dict):
+        taken = False
         try:
-            return await upstream.post_json(path, body, headers)
-        except UpstreamError as e:
-            pool.mark_down(upstream)
-            self.metrics.upstream_errors.labels(role).inc()
-            raise APIError(502, f"{role} instance unreachable: {e}") from None
+            response = await self._answer(self.router.decode, path, {**body, "kv_transfer_params": kv}
+                                          if kv else body, headers, start)
+            taken = response.status_code == 200
+            return response
+        finally:
+            if kv and not taken:  # no decode instance took it: free the producer's blocks now
+                self._release(producer, kv, headers)
 
-    async def _relay(self, upstream: Upstream, role: str, path: str, body: dict, headers: dict,
-                     start: float):
-        """Stream an instance's SSE through, timing it as the client sees it."""
-        m = self.metrics
-        first = last = None
-        events = 0
+    # --- legs -----------------------------------------------------------------------------------
+
+    async def _post(self, pool: Pool, path: str, body: dict, headers: dict) -> tuple[UpstreamState, httpx.Response]:
+        """The first answer that is not a refusal. Producers: while every one refuses (busy: its
+        blocks are held for readers) the request waits, up to `max_wait_s`, as it would in a
+        queue; nothing is held for it meanwhile. Decode: no waiting (a lease is running)."""
+        deadline = time.monotonic() + (self.max_wait_s if pool.role == "prefill" else 0)
+        pause = 0.1
+        while True:
+            try:
+                return await self._post_once(pool, path, body, headers)
+            except _NoTaker:
+                if time.monotonic() + pause > deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(1.0, pause * 2)
+
+    async def _post_once(self, pool: Pool, path: str, body: dict,
+                         headers: dict) -> tuple[UpstreamState, httpx.Response]:
+        """The first answer that is not a refusal, trying the pool best first."""
+        last = "no instance"
+        refused = False
+        for i, state in enumerate(pool.candidates()):
+            if i:
+                self.metrics.retries.labels(pool.role).inc()
+            self._count(pool, state, +1)
+            try:
+                resp = await state.upstream.post_json(path, body, headers)
+            except UpstreamError as e:
+                self._unreachable(pool, state, e)
+                last = str(e)
+                continue
+            finally:
+                self._count(pool, state, -1)
+            if _refused(pool, resp):
+                self.metrics.upstream_requests.labels(pool.role, state.url, "refused").inc()
+                refused, last = True, f"{state.url} answered {resp.status_code}"
+                continue
+            self.metrics.upstream_requests.labels(pool.role, state.url, "ok").inc()
+            return state, resp
+        raise _NoTaker(pool.role, refused, last)
+
+    async def _answer(self, pool: Pool, path: str, body: dict, headers: dict, start: float) -> Response:
+        """The client's answer from the first instance of the pool that takes the request."""
+        if not body.get("stream"):
+            _, resp = await self._post(pool, path, body, headers)
+            self.metrics.e2e.observe(time.monotonic() - start)
+            return _passed_on(resp, headers)
+        last, refused = "no instance", False
+        for i, state in enumerate(pool.candidates()):
+            if i:
+                self.metrics.retries.labels(pool.role).inc()
+            try:
+                resp = await state.upstream.open_stream(path, body, headers)
+            except UpstreamError as e:
+                self._unreachable(pool, state, e)
+                last = str(e)
+                continue
+            if _refused(pool, resp):
+                await resp.aclose()
+                self.metrics.upstream_requests.labels(pool.role, state.url, "refused").inc()
+                refused, last = True, f"{state.url} answered {resp.status_code}"
+                continue
+            self.metrics.upstream_requests.labels(pool.role, state.url, "ok").inc()
+            if resp.status_code != 200:
+                detail = (await resp.aread()).decode(errors="replace")
+                await resp.aclose()
+                return JSONResponse(error_body(resp.status_code, detail), status_code=resp.status_code,
+                                    headers=headers)
+            self._count(pool, state, +1)
+            return StreamingResponse(self._stream(pool, state, resp, start), media_type="text/event-stream",
+                                     headers=headers)
+        raise _NoTaker(pool.role, refused, last)
+
+    async def _stream(self, pool: Pool, state: UpstreamState, resp: httpx.Response, start: float):
         try:
-            async with upstream.stream(path, body, headers) as resp:
-                if resp.status_code != 200:
-                    detail = (await resp.aread()).decode(errors="replace")
-                    yield f"data: {json.dumps(error_body(resp.status_code, detail))}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
-                async for chunk in resp.aiter_raw():
-                    now = time.monotonic()
-                    n = chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
-                    if n > 0:
-                        if first is None:
-                            first = now
-                            m.ttft.observe(now - start)
-                        elif last is not None:
-                            m.itl.observe((now - last) / n)
-                        last, events = now, events + n
-                    yield chunk
-        except Exception as e:  # noqa: BLE001 - the stream has started: end it with an error event
-            m.upstream_errors.labels(role).inc()
-            logger.warning("%s stream from %s broke: %s", role, upstream.url, e)
-            yield f"data: {json.dumps(APIError(502, f'{role} instance failed: {e}').body())}\n\n"
-            yield "data: [DONE]\n\n"
+            async for chunk in relay(resp, pool.role, state.url, self.metrics, start):
+                yield chunk
+        finally:
+            await resp.aclose()
+            self._count(pool, state, -1)
+
+    # --- bookkeeping ------------------------------------------------------------------------------
+
+    def _release(self, producer: UpstreamState, kv: dict, headers: dict) -> None:
+        """Hand a lease back to its producer (a task of its own: a client that left cannot stop it)."""
+        async def release():
+            try:
+                r = await producer.upstream.post_json("/kv/release", {"kv_transfer_params": kv}, headers)
+                if r.status_code == 200 and r.json().get("released"):
+                    self.metrics.releases.inc()
+            except (UpstreamError, ValueError) as e:
+                logger.info("could not hand the lease back to %s: %s", producer.url, e)
+        asyncio.ensure_future(release())
+
+    def _unreachable(self, pool: Pool, state: UpstreamState, error: Exception) -> None:
+        pool.mark_down(state, str(error))
+        self.metrics.upstream_errors.labels(pool.role).inc()
+        self.metrics.upstream_requests.labels(pool.role, state.url, "unreachable").inc()
+
+    def _count(self, pool: Pool, state: UpstreamState, delta: int) -> None:
+        state.outstanding += delta
+        self.metrics.outstanding.labels(pool.role, state.url).set(state.outstanding)
+
+
+async def _cancel_when_gone(is_disconnected, task: asyncio.Future, every_s: float = 0.1) -> None:
+    while not task.done():
+        if await is_disconnected():
+            task.cancel()
             return
-        end = time.monotonic()
-        m.e2e.observe(end - start)
-        if first is not None and events > 1:
-            m.tpot.observe((end - first) / (events - 1))
+        await asyncio.sleep(every_s)
+
+
+def _refused(pool: Pool, resp: httpx.Response) -> bool:
+    """An answer that means "ask someone else": busy (503); for a producer also a failure before it
+    did anything (other 5xx). A decode instance's 5xx came after it took the request: passed on."""
+    if pool.role == "decode":
+        return resp.status_code == 503
+    return resp.status_code >= 500 and resp.status_code != 504
+
+
+def _passed_on(resp: httpx.Response, headers: dict) -> Response:
+    return Response(resp.content, status_code=resp.status_code, media_type="application/json", headers=headers)
 
 
 def _max_tokens(body: dict):
@@ -151,40 +262,3 @@ def _max_tokens(body: dict):
 def _all_stopped(answer: dict) -> bool:
     return all(c.get("finish_reason") == "stop" for c in answer.get("choices") or [{}])
 
-
-def parse_body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}", param="body") from None
-    except RecursionError:
-        raise APIError(400, "request body is nested too deeply", param="body") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object", param="body")
-    return body
-
-
-def error_body(status: int, detail: str) -> dict:
-    try:
-        return json.loads(detail)
-    except json.JSONDecodeError:
-        return APIError(status, detail).body()
-
-
-async def as_stream(full: dict, request: dict):
-    """A complete (non-streamed) producer answer, re-sent as SSE chunks in vLLM's shape."""
-    chat = full.get("object") == "chat.completion"
-    base = {"id": full["id"], "created": full["created"], "model": full["model"]}
-    for choice in full["choices"]:
-        if chat:
-            delta = {"role": "assistant", "content": choice["message"]["content"]}
-            c = {"index": choice["index"], "delta": delta, "logprobs": choice.get("logprobs"),
-                 "finish_reason": choice["finish_reason"], "stop_reason": choice.get("stop_reason")}
-            chunk = {**base, "object": "chat.completion.chunk", "choices": [c]}
-        else:
-            chunk = {**base, "object": "text_completion", "choices": [choice]}
-        yield f"data: {json.dumps(chunk)}\n\n"
-    if (request.get("stream_options") or {}).get("include_usage"):
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': full.get('usage')})}\n\n"
-    yield "data: [DONE]\n\n"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
             5.0, 10.0, 20.0, 40.0)
@@ -25,6 +25,18 @@ class ProxyMetrics:
                                 registry=r)
         self.upstream_errors = Counter("pdserve_proxy:upstream_errors",
                                        "Upstream failures by role.", ["role"], registry=r)
+        self.upstream_requests = Counter("pdserve_proxy:upstream_requests",
+                                         "Requests sent to each instance, by outcome (ok, refused: a 503 "
+                                         "or 5xx, unreachable).", ["role", "upstream", "outcome"], registry=r)
+        self.retries = Counter("pdserve_proxy:retries", "Requests moved to another instance.", ["role"],
+                               registry=r)
+        self.releases = Counter("pdserve_proxy:lease_releases",
+                                "Producer leases the proxy handed back (no decode took the request).",
+                                registry=r)
+        self.outstanding = Gauge("pdserve_proxy:upstream_outstanding", "Requests in flight per instance.",
+                                 ["role", "upstream"], registry=r)
+        self.healthy = Gauge("pdserve_proxy:upstream_healthy", "1 if the instance answered its last probe.",
+                             ["role", "upstream"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,41 +1,103 @@
 """Which prefill and which decode instance serve a request (xPyD: any P with any D).
 
-Proxy process. Round-robin over each pool independently, skipping instances marked unhealthy by
-the last failed request until they answer `/health` again.
+Proxy process (event loop). Each pool orders its instances for one request: healthy before down,
+then by load: what this proxy has outstanding there plus the queue and KV use the instance reported
+at its last probe (`GET /health`, every `probe_interval_s`, in the background, so an instance that
+comes back rejoins by itself). The flow tries them in that order; a connection error marks an
+instance down until a probe finds it up, a 503 only moves on to the next.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import itertools
+import logging
+import time
 
 from pdserve.proxy.upstream import Upstream
 
+logger = logging.getLogger("pdserve.proxy")
+
+
+@dataclasses.dataclass
+class UpstreamState:
+    upstream: Upstream
+    healthy: bool = True  # until a probe or a request says otherwise
+    outstanding: int = 0  # requests this proxy has in flight there
+    queued: int = 0  # waiting requests the instance reported (queue + waiting for KV)
+    kv_usage: float = 0.0  # fraction of its KV blocks in use, as reported
+    last_probe: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return self.upstream.url
+
+    def score(self) -> tuple:
+        return (not self.healthy, self.outstanding + self.queued, self.kv_usage)
+
 
 class Pool:
-    def __init__(self, upstreams: list[Upstream]):
-        self.upstreams = upstreams
-        self._next = itertools.cycle(range(len(upstreams)))
-        self.down: set[str] = set()
+    def __init__(self, role: str, upstreams: list[Upstream]):
+        self.role = role
+        self.states = [UpstreamState(u) for u in upstreams]
+        self._turn = itertools.count()
 
-    def pick(self) -> Upstream:
-        for _ in range(len(self.upstreams)):
-            u = self.upstreams[next(self._next)]
-            if u.url not in self.down:
-                return u
-        return self.upstreams[next(self._next)]  # all marked down: try anyway
+    @property
+    def upstreams(self) -> list[Upstream]:
+        return [s.upstream for s in self.states]
 
-    def mark_down(self, upstream: Upstream) -> None:
-        self.down.add(upstream.url)
+    def candidates(self) -> list[UpstreamState]:
+        """Every instance, best first; equals take turns (so idle instances share the load)."""
+        turn = next(self._turn)
+        n = len(self.states)
+        rotated = [self.states[(turn + i) % n] for i in range(n)]
+        return sorted(rotated, key=UpstreamState.score)
 
-    async def refresh(self) -> dict[str, bool]:
-        status = {}
-        for u in self.upstreams:
-            status[u.url] = await u.healthy()
-            (self.down.discard if status[u.url] else self.down.add)(u.url)
-        return status
+    def mark_down(self, state: UpstreamState, reason: str) -> None:
+        if state.healthy:
+            logger.warning("%s instance %s is down: %s", self.role, state.url, reason)
+        state.healthy = False
+
+    async def probe(self) -> dict[str, bool]:
+        """Ask every instance how it is; returns url -> healthy."""
+        results = await asyncio.gather(*(s.upstream.health() for s in self.states))
+        for state, (healthy, load) in zip(self.states, results):
+            if healthy and not state.healthy:
+                logger.info("%s instance %s is back", self.role, state.url)
+            state.healthy = healthy
+            state.last_probe = time.monotonic()
+            if load:
+                state.queued = int(load.get("num_waiting", 0)) + int(load.get("num_waiting_for_remote_kv", 0))
+                state.kv_usage = float(load.get("kv_cache_usage", 0.0))
+        return {s.url: s.healthy for s in self.states}
 
 
 class Router:
-    def __init__(self, prefill: list[Upstream], decode: list[Upstream]):
-        self.prefill = Pool(prefill)
-        self.decode = Pool(decode)
+    def __init__(self, prefill: list[Upstream], decode: list[Upstream], probe_interval_s: float = 1.0):
+        self.prefill = Pool("prefill", prefill)
+        self.decode = Pool("decode", decode)
+        self.probe_interval_s = probe_interval_s
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._probe_forever())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for u in self.prefill.upstreams + self.decode.upstreams:
+            await u.close()
+
+    async def probe(self) -> dict[str, dict[str, bool]]:
+        p, d = await asyncio.gather(self.prefill.probe(), self.decode.probe())
+        return {"prefill": p, "decode": d}
+
+    async def _probe_forever(self) -> None:
+        while True:
+            try:
+                await self.probe()
+            except Exception:  # noqa: BLE001 - probing must outlive one bad answer
+                logger.exception("probing the instances failed")
+            await asyncio.sleep(self.probe_interval_s)

@@ -38,9 +38,13 @@ class Upstream:
         except httpx.HTTPError as e:
             raise UpstreamError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
 
-    def stream(self, path: str, body: dict, headers: dict):
-        """Async context manager yielding the streaming response."""
-        return self.client.stream("POST", path, content=_encode(body), headers={**headers, **_JSON})
+    async def open_stream(self, path: str, body: dict, headers: dict) -> httpx.Response:
+        """A streaming response whose status and headers have arrived; the caller closes it."""
+        request = self.client.build_request("POST", path, content=_encode(body), headers={**headers, **_JSON})
+        try:
+            return await self.client.send(request, stream=True)
+        except httpx.HTTPError as e:
+            raise UpstreamError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
 
     async def owner(self) -> str | None:
         """`owned_by` of the instance's first model ("pdserve", "vllm", ...); None if unknown."""
@@ -50,12 +54,19 @@ class Upstream:
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
             return None
 
-    async def healthy(self) -> bool:
+    async def health(self) -> tuple[bool, dict | None]:
+        """(healthy, the load it reports: queue and KV use; None when it reports none)."""
         try:
             r = await self.client.get("/health", timeout=2.0)
-            return r.status_code == 200
         except httpx.HTTPError:
-            return False
+            return False, None
+        if r.status_code != 200:
+            return False, None
+        try:
+            body = r.json()
+        except ValueError:
+            return True, None
+        return True, body.get("load") if isinstance(body, dict) else None
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -17,14 +17,15 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdserve.config import EngineConfig, ServerConfig
+from pdserve.engine.engine import OverloadedError
+from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.model.generation_config import GenerationDefaults
 from pdserve.sampling_params import InvalidRequestError
 from pdserve.server.async_engine import AsyncEngine, EngineDeadError
 from pdserve.http.errors import APIError, install_handlers, validation_error
 from pdserve.server.metrics import ServerMetrics
-from pdserve.http.middleware import BodyLimit, RequestContext
+from pdserve.http.middleware import Admission, BodyLimit, RequestContext
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from pdserve.server.serving import InFlight
 from pdserve.server.serving_chat import ChatServing
 from pdserve.server.serving_completion import CompletionServing
 
@@ -35,10 +36,9 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     model_name = server.served_model_name or Path(engine_config.model).name
     engine = AsyncEngine(engine_config)
     metrics = ServerMetrics(model_name)
-    inflight = InFlight(server.max_pending)
     defaults = GenerationDefaults.from_dir(engine_config.model, server.generation_config)
-    completions = CompletionServing(engine, model_name, metrics, inflight, defaults)
-    chat = ChatServing(engine, model_name, metrics, inflight, defaults)
+    completions = CompletionServing(engine, model_name, metrics, defaults)
+    chat = ChatServing(engine, model_name, metrics, defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -46,11 +46,13 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         starting.add_done_callback(_log_start)
         try:
             yield
-        finally:
+        finally:  # uvicorn has stopped accepting and finished in-flight HTTP requests
+            await engine.drain(server.drain_timeout_s)
             await engine.stop()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.add_middleware(RequestContext, api_key=server.api_key)
+    app.add_middleware(Admission, limit=server.max_pending)
     app.add_middleware(BodyLimit, max_bytes=server.max_request_body_bytes)
     install_handlers(app)
     app.state.engine = engine
@@ -75,6 +77,10 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     async def engine_dead(request: Request, e: EngineDeadError):
         return await api_error(request, APIError(503, f"engine unavailable: {e}"))
 
+    @app.exception_handler(OverloadedError)
+    async def overloaded(request: Request, e: OverloadedError):
+        return await api_error(request, APIError(503, f"overloaded: {e}", headers={"Retry-After": "1"}))
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):
         logger.exception("unexpected error")
@@ -82,10 +88,21 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if engine.is_ready:
-            return Response(status_code=200)
-        status = "failed: " + engine.error if engine.error else "starting"
-        return APIError(503, f"engine {status}").response()
+        """200 with the load a router weighs and any warnings; 503 until the engine runs."""
+        if not engine.is_ready:
+            status = "failed: " + engine.error if engine.error else "starting"
+            return APIError(503, f"engine {status}").response()
+        load, warnings = await engine.call(lambda e: (e.load(), e.warnings()))
+        return {"status": "ok", "load": load, "warnings": warnings}
+
+    @app.post("/kv/release")
+    async def release(body: dict):
+        """The proxy found no decode instance for a producer answer: free its lease now."""
+        params = KVTransferParams.parse(body.get("kv_transfer_params") if isinstance(body, dict) else None)
+        if params is None:
+            raise InvalidRequestError("kv_transfer_params", "is required")
+        _require_ready(engine)
+        return {"released": await engine.call(lambda e: e.connector.release_handoff(params))}
 
     @app.get("/v1/models")
     async def models():

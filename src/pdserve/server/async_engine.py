@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator, Callable
 
 from pdserve.config import EngineConfig
@@ -74,6 +75,20 @@ class AsyncEngine:
     @property
     def is_ready(self) -> bool:
         return self._ready.is_set() and self.error is None and not self._exited.is_set()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (bounded) until the engine holds no lease for a reader and loads no KV: a
+        producer told to stop keeps serving the reads it promised."""
+        deadline = time.monotonic() + timeout_s
+        while self.is_ready and time.monotonic() < deadline:
+            try:
+                if not await self.call(lambda e: e.connector.busy):
+                    return
+            except EngineDeadError:
+                return
+            await asyncio.sleep(0.05)
+        if self.is_ready:
+            logger.warning("drain: leases or KV loads still open after %.0f s; stopping anyway", timeout_s)
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         self._commands.put(None)

@@ -47,6 +47,8 @@ class ServerMetrics:
             ("kv_cache_usage_perc", "Fraction of KV blocks in use."),
             ("num_preemptions", "Preemptions since start."),
             ("kv_leases_active", "P/D producer requests holding blocks for a reader."),
+            ("kv_transfer_warnings", "Conditions that make KV transfers slow (e.g. no shared-memory "
+                                     "transport to a peer on this host); listed by /health."),
         ]:
             g[name] = Gauge(f"pdserve:{name}", doc, labels, registry=r)
         self.gauges = g
@@ -96,6 +98,7 @@ class ServerMetrics:
         kv = stats.get("kv_transfer")
         if kv:
             g["kv_leases_active"].labels(m).set(kv["leases_active"])
+            g["kv_transfer_warnings"].labels(m).set(len(kv["warnings"]))
             self._counter_values.update(kv["counters"])
             for t in kv["transfers"]:
                 self.xfer_time.labels(m).observe(t["duration_s"])

@@ -60,21 +60,12 @@ class Choice:
             self.error = out.error
 
 
-@dataclass
-class InFlight:
-    """HTTP requests being served, shared by every endpoint; beyond `limit` new ones get a 503."""
-
-    limit: int
-    count: int = 0
-
-
 class BaseServing:
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics,
-                 inflight: InFlight, defaults: GenerationDefaults = GenerationDefaults()):
+                 defaults: GenerationDefaults = GenerationDefaults()):
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
-        self.inflight = inflight
         self.defaults = defaults  # the checkpoint's generation_config.json
 
     @property
@@ -133,8 +124,6 @@ class BaseServing:
     async def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                     kv: KVTransferParams | None) -> tuple[list[Choice], list]:
         """Add every (prompt, sample) engine request; on any rejection, abort those already added."""
-        if self.inflight.count >= self.inflight.limit:
-            raise APIError(503, f"server overloaded: {self.inflight.count} requests in flight")
         choices, streams = [], []
         suffix = uuid.uuid4().hex[:6]
         try:
@@ -156,7 +145,6 @@ class BaseServing:
 
     async def merged(self, choices: list[Choice], streams: list) -> AsyncIterator[tuple[Choice, RequestOutput]]:
         """Deltas of every choice as they come; aborts unfinished engine requests on exit."""
-        self.inflight.count += 1
         queue: asyncio.Queue = asyncio.Queue()
         start = time.monotonic()
         last_token_at: dict[int, float] = {}
@@ -181,7 +169,6 @@ class BaseServing:
                     remaining -= 1
                 yield choice, out
         finally:
-            self.inflight.count -= 1
             for t in tasks:
                 t.cancel()
             for c in choices:

@@ -54,5 +54,8 @@ class Agent(Protocol):
 
     def close(self) -> None: ...
 
+    def same_host_warning(self) -> str | None:
+        """Why READs from a peer on this host would be slow (no shared-memory transport), or None."""
+
 
 AgentFactory = Callable[[str], Agent]  # agent name -> a new agent

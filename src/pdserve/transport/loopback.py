@@ -51,6 +51,7 @@ class LoopbackFabric:
         self.hang_reads = False  # posted READs stay in flight until `land_hung`
         self.hang_readers: set[str] = set()  # ... only those these agents post
         self.duplicate_notifications = False
+        self.same_host_warning: str | None = None  # what agents say of a same-host peer
         self.num_reads = 0
         self.num_bytes_read = 0
 
@@ -143,6 +144,9 @@ class LoopbackAgent:
             raise TransferError(f"cannot notify {peer}: remote disconnect")
         copies = 2 if self.fabric.duplicate_notifications else 1
         target.inbox.setdefault(self.name, []).extend([message] * copies)
+
+    def same_host_warning(self) -> str | None:
+        return self.fabric.same_host_warning
 
     def close(self) -> None:
         self.fabric.agents.pop(self.name, None)

@@ -8,6 +8,7 @@ thread is off (in nixl 1.5.1 it busy-polls): the owner makes progress by calling
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -22,6 +23,22 @@ def _import_nixl():
     except ImportError:  # pragma: no cover - other NIXL packagings
         from nixl._api import nixl_agent, nixl_agent_config
     return nixl_agent, nixl_agent_config
+
+
+_SHARED_MEMORY = {"sm", "shm", "cma", "posix", "sysv", "knem", "xpmem"}
+
+
+def ucx_same_host_warning(ucx_tls: str | None) -> str | None:
+    """UCX reads host memory of a process on the same host with cma or shared memory; a UCX_TLS
+    that leaves all of them out moves every byte over a network transport (TCP: ~10x slower)."""
+    if not ucx_tls:
+        return None
+    names = {t.strip().lower() for t in ucx_tls.lstrip("^").split(",") if t.strip()}
+    if ucx_tls.startswith("^"):
+        usable = not ({"sm", "shm"} & names or {"cma", "posix", "sysv"} <= names)
+    else:
+        usable = "all" in names or bool(_SHARED_MEMORY & names)
+    return None if usable else f"UCX_TLS={ucx_tls} leaves out every shared-memory and cma transport"
 
 
 class NixlAgent:
@@ -100,6 +117,9 @@ class NixlAgent:
 
     def notify(self, peer: str, message: bytes) -> None:
         self._agent.send_notif(peer, message)
+
+    def same_host_warning(self) -> str | None:
+        return ucx_same_host_warning(os.environ.get("UCX_TLS"))
 
     def close(self) -> None:
         for descs in self._registered:
