@@ -11,7 +11,6 @@ touches the engine.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import time
@@ -20,10 +19,10 @@ from typing import Callable
 
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.handshake import HandshakeReplied, PeerState, PeerTable, tp_mismatch
+from pdserve.kv_transfer.lease_keeper import HeartbeatReplied, LeaseKeeper
 from pdserve.kv_transfer.load import IN_FLIGHT, NOT_READING, Claims, Load, LoadState
-from pdserve.kv_transfer.messages import (MAX_IDS_PER_MESSAGE, ConnectorReport, Fingerprint, Heartbeat,
-                                          HeartbeatAck, LeaseAnswer, PeerAgents, ReadFailure, ReadSpec,
-                                          Release)
+from pdserve.kv_transfer.messages import (ConnectorReport, Fingerprint, HeartbeatAck, LeaseAnswer, PeerAgents,
+                                          ReadFailure, ReadSpec)
 from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadOutcome, LoadResult
 from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.kv_transfer.signing import verify
@@ -32,23 +31,12 @@ from pdserve.sampling_params import InvalidRequestError
 logger = logging.getLogger(__name__)
 
 REPORT_GRACE_S = 5.0  # after the READ timeout, how long the ranks get to report before we stop waiting
-MIN_HEARTBEAT_S = 0.05
 TRANSFERS_KEPT = 1024  # per-transfer records kept between two scrapes of /metrics
 _LEASE_LOST = {
     LeaseAnswer.GONE: "producer {0} no longer holds the KV of {1} (lease expired or released)",
     LeaseAnswer.MISMATCH: "producer {0} holds {1} for other params: kv_transfer_params were changed",
     LeaseAnswer.TAKEN: "producer {0} holds {1} for another consumer",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class HeartbeatReplied:
-    """Side-channel thread -> engine thread: the answer to one heartbeat (or the exception)."""
-
-    engine_id: str
-    sent_at: float
-    request_ids: list[str]  # consumer request ids, in the heartbeat's order
-    reply: object
 
 
 class ConsumerSide:
@@ -67,7 +55,8 @@ class ConsumerSide:
                                self._event, clock)
         self.loads: dict[str, Load] = {}
         self.claims = Claims()
-        self.counters = {"nixl_num_failed_transfers": 0, "kv_transfers": 0, "kv_heartbeats": 0}
+        self.leases = LeaseKeeper(config, engine_id, tp_size, client, clock, self._event)
+        self.counters = {"nixl_num_failed_transfers": 0, "kv_transfers": 0}
         self.transfers: deque[dict] = deque(maxlen=TRANSFERS_KEPT)
 
     # --- requests (engine thread) -------------------------------------------------------------
@@ -88,7 +77,7 @@ class ConsumerSide:
         self.loads[request_id] = load
         peer = self.peers.get(params.remote_engine_id) or self.peers.handshake(
             params.remote_engine_id, params.remote_host, params.remote_port, params.producer_tp_size)
-        self._heartbeat(peer.engine_id, peer.host, peer.port, [load])
+        self.leases.heartbeat(peer.engine_id, peer.host, peer.port, [load])
 
     def admit(self, request_id: str, block_ids: list[int]) -> None:
         """The request got its local blocks (prompt + first token)."""
@@ -134,12 +123,12 @@ class ConsumerSide:
         for load in list(self.loads.values()):
             if load.state in IN_FLIGHT and now > load.reports_due:
                 self._finish(load, stalled=True)
-            elif load.state != LoadState.ABORTING and now - load.last_heartbeat >= self._period(load):
+            elif load.state != LoadState.ABORTING and self.leases.due(load, now):
                 due.setdefault(load.engine_id, []).append(load)
         for engine_id, loads in due.items():
             peer = self.peers.get(engine_id)
             if peer is not None:
-                self._heartbeat(engine_id, peer.host, peer.port, loads)
+                self.leases.heartbeat(engine_id, peer.host, peer.port, loads)
 
     def build(self) -> tuple[list[PeerAgents], list[str], list[ReadSpec]]:
         """Peers the ranks must load or drop, and the READs to post now."""
@@ -247,7 +236,7 @@ class ConsumerSide:
         until = None
         if stalled or any(f.in_doubt for f in failures):
             until = self.clock() + 2 * self.config.transfer_timeout_s
-        self._release(load, "client aborted" if aborted else reasons)
+        self.leases.release(load, "client aborted" if aborted else reasons)
         if aborted:
             self.outcome.loads.append(LoadOutcome(load.request_id, LoadResult.ABORTED, quarantine_until=until))
         else:
@@ -256,7 +245,7 @@ class ConsumerSide:
     def _fail(self, load: Load, message: str) -> None:
         """A load that is not reading cannot go on."""
         self.loads.pop(load.request_id, None)
-        self._release(load, message)
+        self.leases.release(load, message)
         self._decide(load, message, None)
 
     def _decide(self, load: Load, message: str, quarantine_until: float | None) -> None:
@@ -275,31 +264,7 @@ class ConsumerSide:
 
     def _drop(self, load: Load, reason: str) -> None:
         del self.loads[load.request_id]
-        self._release(load, reason)
-
-    # --- messages to the producer -----------------------------------------------------------------
-
-    def _heartbeat(self, engine_id: str, host: str, port: int, loads: list[Load]) -> None:
-        now = self.clock()
-        for load in loads:
-            load.last_heartbeat = now
-        for i in range(0, len(loads), MAX_IDS_PER_MESSAGE):
-            batch = loads[i:i + MAX_IDS_PER_MESSAGE]
-            self.counters["kv_heartbeats"] += 1
-            msg = Heartbeat(self.engine_id, self.tp_size, [l.params.remote_request_id for l in batch],
-                            [l.params.lease_digest() for l in batch])
-            ids = [l.request_id for l in batch]
-            self.client.send(host, port, msg, self.config.handshake_timeout_s,
-                             lambda reply, ids=ids: self._event(HeartbeatReplied(engine_id, now, ids, reply)))
-
-    def _release(self, load: Load, reason: str) -> None:
-        """Tell the producer to free this request's blocks (once; it ignores repeats)."""
-        if load.released:
-            return
-        load.released = True
-        p = load.params
-        self.client.send(p.remote_host, p.remote_port, Release(self.engine_id, [p.remote_request_id], reason),
-                         self.config.handshake_timeout_s, lambda reply: None)
+        self.leases.release(load, reason)
 
     # --- timers -----------------------------------------------------------------------------------
 
@@ -311,14 +276,11 @@ class ConsumerSide:
     def is_reading(self) -> bool:
         return any(l.state in IN_FLIGHT for l in self.loads.values())
 
-    def _period(self, load: Load) -> float:
-        """Heartbeats every third of the lease the producer acknowledged (never faster than 20/s)."""
-        return max(MIN_HEARTBEAT_S, (load.lease_s or self.config.lease_s) / 3)
-
     def next_heartbeat(self) -> float | None:
-        return min((l.last_heartbeat + self._period(l) for l in self.loads.values()), default=None)
+        return self.leases.next_heartbeat(self.loads.values())
 
     def counter_values(self) -> dict:
-        return {**self.counters, "nixl_handshakes": len(self.peers.engine_ids_seen),
+        return {**self.counters, "kv_heartbeats": self.leases.num_heartbeats,
+                "nixl_handshakes": len(self.peers.engine_ids_seen),
                 "nixl_handshake_round_trips": self.peers.round_trips,
                 "nixl_handshake_failures": self.peers.failures}

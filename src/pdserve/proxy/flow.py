@@ -132,44 +132,10 @@ class PDFlow:
     # --- legs -----------------------------------------------------------------------------------
 
     async def _post(self, pool: Pool, path: str, body: dict, headers: dict) -> tuple[UpstreamState, httpx.Response]:
-        """The first answer that is not a refusal. Producers: while every one refuses (busy: its
-        blocks are held for readers) the request waits, up to `max_wait_s`, as it would in a
-        queue; nothing is held for it meanwhile. Decode: no waiting (a lease is running)."""
-        deadline = time.monotonic() + (self.max_wait_s if pool.role == "prefill" else 0)
-        pause = 0.1
-        while True:
-            try:
-                return await self._post_once(pool, path, body, headers)
-            except _NoTaker:
-                if time.monotonic() + pause > deadline:
-                    raise
-            await asyncio.sleep(pause)
-            pause = min(1.0, pause * 2)
-
-    async def _post_once(self, pool: Pool, path: str, body: dict,
-                         headers: dict) -> tuple[UpstreamState, httpx.Response]:
-        """The first answer that is not a refusal, trying the pool best first."""
-        last = "no instance"
-        refused = False
-        for i, state in enumerate(pool.candidates()):
-            if i:
-                self.metrics.retries.labels(pool.role).inc()
-            self._count(pool, state, +1)
-            try:
-                resp = await state.upstream.post_json(path, body, headers)
-            except UpstreamError as e:
-                self._unreachable(pool, state, e)
-                last = str(e)
-                continue
-            finally:
-                self._count(pool, state, -1)
-            if _refused(pool, resp):
-                self.metrics.upstream_requests.labels(pool.role, state.url, "refused").inc()
-                refused, last = True, f"{state.url} answered {resp.status_code}"
-                continue
-            self.metrics.upstream_requests.labels(pool.role, state.url, "ok").inc()
-            return state, resp
-        raise _NoTaker(pool.role, refused, last)
+        """The first whole answer that is not a refusal."""
+        state, resp = await self._take(pool, lambda u: u.post_json(path, body, headers))
+        self._count(pool, state, -1)
+        return state, resp
 
     async def _answer(self, pool: Pool, path: str, body: dict, headers: dict, start: float) -> Response:
         """The client's answer from the first instance of the pool that takes the request."""
@@ -177,30 +143,52 @@ class PDFlow:
             _, resp = await self._post(pool, path, body, headers)
             self.metrics.e2e.observe(time.monotonic() - start)
             return _passed_on(resp, headers)
+        state, resp = await self._take(pool, lambda u: u.open_stream(path, body, headers))
+        if resp.status_code != 200:
+            detail = (await resp.aread()).decode(errors="replace")
+            await resp.aclose()
+            self._count(pool, state, -1)
+            return JSONResponse(error_body(resp.status_code, detail), status_code=resp.status_code, headers=headers)
+        return StreamingResponse(self._stream(pool, state, resp, start), media_type="text/event-stream",
+                                 headers=headers)
+
+    async def _take(self, pool: Pool, send) -> tuple[UpstreamState, httpx.Response]:
+        """`send` to the pool's instances, best first, until one does not refuse. While every
+        producer refuses (busy: its blocks are held for readers) the request waits, up to
+        `max_wait_s`, as it would in a queue, holding nothing meanwhile; a decode leg does not wait
+        (a lease is running). The instance that took it stays counted as outstanding."""
+        deadline = time.monotonic() + (self.max_wait_s if pool.role == "prefill" else 0)
+        pause = 0.1
+        while True:
+            try:
+                return await self._take_once(pool, send)
+            except _NoTaker:
+                if time.monotonic() + pause > deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(1.0, pause * 2)
+
+    async def _take_once(self, pool: Pool, send) -> tuple[UpstreamState, httpx.Response]:
         last, refused = "no instance", False
         for i, state in enumerate(pool.candidates()):
             if i:
                 self.metrics.retries.labels(pool.role).inc()
+            self._count(pool, state, +1)
             try:
-                resp = await state.upstream.open_stream(path, body, headers)
+                resp = await send(state.upstream)
             except UpstreamError as e:
+                self._count(pool, state, -1)
                 self._unreachable(pool, state, e)
                 last = str(e)
                 continue
             if _refused(pool, resp):
                 await resp.aclose()
+                self._count(pool, state, -1)
                 self.metrics.upstream_requests.labels(pool.role, state.url, "refused").inc()
                 refused, last = True, f"{state.url} answered {resp.status_code}"
                 continue
             self.metrics.upstream_requests.labels(pool.role, state.url, "ok").inc()
-            if resp.status_code != 200:
-                detail = (await resp.aread()).decode(errors="replace")
-                await resp.aclose()
-                return JSONResponse(error_body(resp.status_code, detail), status_code=resp.status_code,
-                                    headers=headers)
-            self._count(pool, state, +1)
-            return StreamingResponse(self._stream(pool, state, resp, start), media_type="text/event-stream",
-                                     headers=headers)
+            return state, resp
         raise _NoTaker(pool.role, refused, last)
 
     async def _stream(self, pool: Pool, state: UpstreamState, resp: httpx.Response, start: float):
