@@ -19,6 +19,7 @@ LAYERS = [
     {"http"},
     {"server", "proxy"},
     {"llm", "launcher"},
+    {"bench"},
     {"cli", "pdserve"},  # `pdserve` is the package's own __init__
 ]
 

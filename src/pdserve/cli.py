@@ -153,7 +153,8 @@ def _proxy(args) -> int:
         upstream_api_key=args.upstream_api_key or os.environ.get("PDSERVE_UPSTREAM_API_KEY"),
         port_file=args.port_file, upstream_protocol=args.upstream_protocol,
         max_request_body_bytes=args.max_request_body_bytes, probe_interval_s=args.probe_interval_s,
-        max_wait_s=args.max_wait_s)
+        max_wait_s=args.max_wait_s, local_prefill_max_tokens=args.local_prefill_max_tokens,
+        local_prefill_max_queue=args.local_prefill_max_queue)
     run_proxy(config, args.log_level.upper())
     return 0
 
@@ -221,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("proxy", help="route each request P -> D (xPyD, round-robin)")
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL")
+    p.add_argument("--prefill", nargs="*", default=[], metavar="URL",
+                   help="producers (none: every request goes to a decode instance whole)")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -230,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--upstream-api-key", default=None,
                    help="sent to the instances (also PDSERVE_UPSTREAM_API_KEY)")
     p.add_argument("--max-request-body-bytes", type=int, default=8 << 20, help="larger bodies get a 413")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                   help="conditional disaggregation: prompts up to this many tokens prefill on decode "
+                        "while its queue is short (0: every prompt prefills on a producer)")
+    p.add_argument("--local-prefill-max-queue", type=int, default=2)
     p.add_argument("--max-wait-s", type=float, default=30.0,
                    help="how long a request waits while every prefill instance is busy, then 503")
     p.add_argument("--probe-interval-s", type=float, default=1.0,
@@ -241,11 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="start a local P/D deployment: prefill, decode and proxy")
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory or .gguf file (default: the generated small model)")
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill instances")
+    p.add_argument("--prefill", type=int, default=1,
+                   help="number of prefill instances (0: the decode instances serve requests whole)")
     p.add_argument("--prefill-tp", type=int, default=1)
     p.add_argument("--decode", type=int, default=1, help="number of decode instances")
     p.add_argument("--decode-tp", type=int, default=1)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the proxy's bind address (clients reach it there)")
     p.add_argument("--port", type=int, default=8000, help="the proxy's port (0 = any free port)")
     p.add_argument("--prefill-cpus", default=None,
                    help="cores per prefill instance, ';'-separated (default: the host's split evenly)")
@@ -255,7 +262,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit", action="store_true", help="stop everything after answering --ask")
     p.add_argument("--log-dir", default=None, help="instance logs (default: a temporary directory)")
     p.add_argument("--instance-args", default="", help="extra arguments for every `pdserve serve`")
+    p.add_argument("--port-file", default=None, help="write the proxy's bound port here as JSON")
+    p.add_argument("--proxy-args", default="", help="extra arguments for `pdserve proxy`")
     p.set_defaults(func=_up)
+
+    bench = sub.add_parser("bench", help="serving benchmarks").add_subparsers(dest="bench", required=True)
+    from pdserve.bench import serve as bench_serve
+    from pdserve.bench import sweep as bench_sweep
+    p = bench.add_parser("serve", help="load any OpenAI-compatible server (vllm bench serve's flags)")
+    p.add_argument("--base-url", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    bench_serve.add_arguments(p)
+    p.set_defaults(func=bench_serve.main)
+    p = bench.add_parser("sweep", help="one workload, several rates, several deployments; plots")
+    bench_sweep.add_arguments(p)
+    p.set_defaults(func=bench_sweep.main)
     return parser
 
 

@@ -176,11 +176,12 @@ class ProxyConfig:
     max_request_body_bytes: int = 8 << 20  # larger bodies get a 413
     probe_interval_s: float = 1.0  # how often each instance's /health (and load) is asked
     max_wait_s: float = 30.0  # how long a request waits while every producer is busy (then 503)
+    local_prefill_max_tokens: int = 0  # conditional disaggregation: shorter prompts may prefill on decode
+    local_prefill_max_queue: int = 2  # ... while decode has at most this many waiting
 
     def __post_init__(self):
         _check(self.upstream_protocol in ("auto", "pdserve", "vllm"), "upstream_protocol",
                f"must be auto, pdserve or vllm, got {self.upstream_protocol!r}")
-        _check(len(self.prefill_urls) >= 1, "prefill", "needs at least one prefill URL")
         _check(len(self.decode_urls) >= 1, "decode", "needs at least one decode URL")
         for url in (*self.prefill_urls, *self.decode_urls):
             _check(url.startswith(("http://", "https://")), "prefill/decode",

@@ -35,16 +35,18 @@ class Instance:
     port: int | None = None
     log_path: Path | None = None
     port_file: Path | None = None
+    host: str = "127.0.0.1"  # where it is reached (the address it binds)
+    prefix: list[str] = dataclasses.field(default_factory=list)  # e.g. `ip netns exec NS` (another host)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://[{self.host}]:{self.port}" if ":" in self.host else f"http://{self.host}:{self.port}"
 
     def spawn(self, log_dir: Path, env: dict | None = None) -> "Instance":
         tag = f"{self.role}-{os.getpid()}-{time.monotonic_ns()}"
         self.port_file = log_dir / f"{tag}.port"
         self.log_path = log_dir / f"{tag}.log"
-        cmd = [sys.executable, "-m", "pdserve.cli", *self.args, "--port-file", str(self.port_file)]
+        cmd = [*self.prefix, sys.executable, "-m", "pdserve.cli", *self.args, "--port-file", str(self.port_file)]
         cpus = self.cpus
 
         def child_setup():
@@ -117,7 +119,8 @@ class Deployment:
                  instance_args: list[str] | None = None, proxy_port: int = 0,
                  prefill_cpus: list[tuple[int, ...]] | None = None,
                  decode_cpus: list[tuple[int, ...]] | None = None,
-                 log_dir: str | None = None, env: dict | None = None):
+                 log_dir: str | None = None, env: dict | None = None, proxy_args: list[str] | None = None,
+                 proxy_host: str = "127.0.0.1"):
         cores = sorted(os.sched_getaffinity(0))
         shares = split_cores(cores, len(prefill_tp) + len(decode_tp))
         prefill_cpus = prefill_cpus or shares[:len(prefill_tp)]
@@ -136,6 +139,8 @@ class Deployment:
                         "--num-threads", str(threads), "--cpus", ",".join(map(str, cpu)), *extra]
                 self.instances.append(Instance(role, args, cpu))
         self.proxy_port = proxy_port
+        self.proxy_host = proxy_host
+        self.proxy_args = list(proxy_args or [])
         self.proxy: Instance | None = None
 
     @property
@@ -152,10 +157,10 @@ class Deployment:
                 inst.spawn(self.log_dir, self.env)
             for inst in self.instances:
                 inst.wait_healthy(timeout_s)
-            proxy_args = ["proxy", "--port", str(self.proxy_port),
+            proxy_args = ["proxy", "--port", str(self.proxy_port), "--host", self.proxy_host,
                           "--prefill", *[i.url for i in self.prefill],
-                          "--decode", *[i.url for i in self.decode]]
-            self.proxy = Instance("proxy", proxy_args).spawn(self.log_dir, self.env)
+                          "--decode", *[i.url for i in self.decode], *self.proxy_args]
+            self.proxy = Instance("proxy", proxy_args, host=self.proxy_host).spawn(self.log_dir, self.env)
             self.proxy.wait_healthy(timeout_s)
         except BaseException:
             self.stop()
@@ -206,10 +211,13 @@ def run_up(args) -> int:
     dep = Deployment(args.model, [args.prefill_tp] * args.prefill, [args.decode_tp] * args.decode,
                      instance_args=shlex.split(args.instance_args), proxy_port=args.port,
                      prefill_cpus=cpu_list(args.prefill_cpus), decode_cpus=cpu_list(args.decode_cpus),
-                     log_dir=args.log_dir)
+                     log_dir=args.log_dir, proxy_args=shlex.split(args.proxy_args), proxy_host=args.host)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         dep.start()
+        if args.port_file:
+            from pdserve.http.listen import write_port_file
+            write_port_file(args.port_file, args.host, dep.proxy.port)
         for inst in dep.instances:
             print(f"{inst.role:8} {inst.url}  cores {','.join(map(str, inst.cpus))}  log {inst.log_path}")
         print(f"proxy    {dep.proxy.url}/v1  (Ctrl-C stops everything)", flush=True)

@@ -28,10 +28,14 @@ def report_port(sock: socket.socket, host: str, port_file: str | None, what: str
     port = sock.getsockname()[1]
     print(f"pdserve {what} listening on http://{host}:{port}", flush=True)
     if port_file:
-        tmp = Path(port_file + ".tmp")
-        tmp.write_text(json.dumps({"host": host, "port": port}))
-        tmp.replace(port_file)
+        write_port_file(port_file, host, port)
     return port
+
+
+def write_port_file(port_file: str, host: str, port: int) -> None:
+    tmp = Path(port_file + ".tmp")
+    tmp.write_text(json.dumps({"host": host, "port": port}))
+    tmp.replace(port_file)
 
 
 def configure_logging(level: str = "INFO") -> None:

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pdserve.config import ProxyConfig
 from pdserve.http.errors import APIError, install_handlers
 from pdserve.http.middleware import BodyLimit, RequestContext
+from pdserve.proxy.decision import DisaggPolicy
 from pdserve.proxy.flow import PDFlow
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.router import Router
@@ -29,7 +30,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
                          config.request_timeout_s) for u in urls]
     router = Router(upstreams(config.prefill_urls), upstreams(config.decode_urls), config.probe_interval_s)
     metrics = ProxyMetrics()
-    flow = PDFlow(router, metrics, config.upstream_protocol, config.max_wait_s)
+    flow = PDFlow(router, metrics, config.upstream_protocol, config.max_wait_s,
+                  DisaggPolicy(config.local_prefill_max_tokens, config.local_prefill_max_queue))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -52,7 +54,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         status = await router.probe()
-        ok = any(status["prefill"].values()) and any(status["decode"].values())
+        ok = (any(status["prefill"].values()) or not status["prefill"]) and any(status["decode"].values())
         return JSONResponse(status, status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -28,6 +28,7 @@ import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.http.errors import APIError
+from pdserve.proxy.decision import LOCAL, DisaggPolicy, prompt_tokens
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.relay import as_stream, error_body, parse_body, relay
 from pdserve.proxy.router import Pool, Router, UpstreamState
@@ -55,17 +56,19 @@ class _NoTaker(Exception):
 
 
 class PDFlow:
-    def __init__(self, router: Router, metrics: ProxyMetrics, protocol: str = "auto", max_wait_s: float = 30.0):
+    def __init__(self, router: Router, metrics: ProxyMetrics, protocol: str = "auto", max_wait_s: float = 30.0,
+                 policy: DisaggPolicy = DisaggPolicy()):
         assert protocol in PROTOCOLS
         self.router = router
         self.metrics = metrics
         self.protocol = None if protocol == "auto" else protocol
         self.max_wait_s = max_wait_s
+        self.policy = policy
 
     async def upstream_protocol(self) -> str:
         """`auto`: the first prefill instance's `owned_by` says (asked once; pdserve until known)."""
         if self.protocol is None:
-            owner = await self.router.prefill.upstreams[0].owner()
+            owner = await (self.router.prefill.upstreams or self.router.decode.upstreams)[0].owner()
             if owner is not None:
                 self.protocol = "vllm" if owner == "vllm" else "pdserve"
                 logger.info("upstream protocol: %s (the prefill instance is owned by %r)", self.protocol, owner)
@@ -95,6 +98,13 @@ class PDFlow:
         if protocol == "pdserve" and _max_tokens(body) == 1:  # nothing to decode: no transfer
             self.metrics.requests.labels("prefill_only").inc()
             return await self._answer(self.router.prefill, path, body, headers, start)
+        decision = LOCAL if not self.router.prefill.states else self.policy.decide(
+            prompt_tokens(body), self.router.decode.least_queued(), self.router.prefill.least_queued())
+        self.metrics.decisions.labels(decision).inc()
+        headers["X-PD-Decision"] = decision
+        if decision == LOCAL:  # decode prefills it itself
+            self.metrics.requests.labels("decode_only").inc()
+            return await self._answer(self.router.decode, path, body, headers, start)
 
         p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         p_body["stream"] = False

@@ -28,6 +28,9 @@ class ProxyMetrics:
         self.upstream_requests = Counter("pdserve_proxy:upstream_requests",
                                          "Requests sent to each instance, by outcome (ok, refused: a 503 "
                                          "or 5xx, unreachable).", ["role", "upstream", "outcome"], registry=r)
+        self.decisions = Counter("pdserve_proxy:pd_decisions",
+                                 "Where prompts were prefilled: remote (a producer) or local (decode).",
+                                 ["decision"], registry=r)
         self.retries = Counter("pdserve_proxy:retries", "Requests moved to another instance.", ["role"],
                                registry=r)
         self.releases = Counter("pdserve_proxy:lease_releases",

@@ -1,6 +1,7 @@
 """Which prefill and which decode instance serve a request (xPyD: any P with any D).
 
-Proxy process (event loop). Each pool orders its instances for one request: healthy before down,
+Proxy process (event loop). A proxy without producers balances plain requests over its decode
+pool. Each pool orders its instances for one request: healthy before down,
 then by load: what this proxy has outstanding there plus the queue and KV use the instance reported
 at its last probe (`GET /health`, every `probe_interval_s`, in the background, so an instance that
 comes back rejoins by itself). The flow tries them in that order; a connection error marks an
@@ -51,8 +52,15 @@ class Pool:
         """Every instance, best first; equals take turns (so idle instances share the load)."""
         turn = next(self._turn)
         n = len(self.states)
+        if not n:
+            return []
         rotated = [self.states[(turn + i) % n] for i in range(n)]
         return sorted(rotated, key=UpstreamState.score)
+
+    def least_queued(self) -> int:
+        """The shortest queue among healthy instances (what this proxy has outstanding there plus
+        what each reported waiting)."""
+        return min((s.outstanding + s.queued for s in self.states if s.healthy), default=1 << 30)
 
     def mark_down(self, state: UpstreamState, reason: str) -> None:
         if state.healthy:
