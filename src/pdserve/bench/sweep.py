@@ -61,11 +61,14 @@ class Target:
 
 
 def warm_up(url: str, args) -> None:
-    body = {"prompt": [1] + [7] * 63, "max_tokens": 4, "ignore_eos": True}
-    if args.model:
-        body["model"] = args.model
+    """Short and long prompts first: kernels built, KV pages touched, connections made."""
+    longest = max(args.random_input_len, args.mixed_long_len if args.dataset_name == "mixed" else 0,
+                  args.prefix_len + args.random_input_len if args.dataset_name == "prefix-sharing" else 0)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    for _ in range(2):
+    for n in (64, min(longest, args.max_model_len - 16), 64, min(longest, args.max_model_len - 16)):
+        body = {"prompt": [1] + [7 + i % 500 for i in range(n - 1)], "max_tokens": 8, "ignore_eos": True}
+        if args.model:
+            body["model"] = args.model
         httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=300)
 
 
