@@ -17,7 +17,7 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
 def load(name: str):
-    path = RESULTS / f"{name}.json"
+    path = RESULTS / (f"{name}/{name}.json" if name == "sweep" else f"{name}.json")
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -81,6 +81,20 @@ def serving(r) -> list[str]:
     return out
 
 
+def sweep(r) -> list[str]:
+    table = (RESULTS / "sweep" / "sweep.md").read_text().strip().splitlines()
+    return ["**Serving under load** (`pdserve bench sweep`, command above):", "", *table, "",
+            "![TTFT against rate](bench/results/sweep/ttft.png) ![ITL against rate](bench/results/sweep/itl.png)",
+            "![goodput against rate](bench/results/sweep/goodput.png) "
+            "![ITL CDF](bench/results/sweep/itl_cdf.png)"]
+
+
+def proxy_overhead(r) -> list[str]:
+    return [f"Proxy overhead (`bench/proxy_overhead.py`, {r['requests']} requests of {r['prompt_tokens']} + "
+            f"{r['max_tokens']} tokens, 1P1D): {r['proxy_p50_ms']} ms through the proxy vs {r['direct_p50_ms']} ms "
+            f"making both calls directly, {r['overhead_p50_ms']} ms at p50 (target < 2 ms)."]
+
+
 def soak(r) -> list[str]:
     growth = ", ".join(f"{k} {v:+.0f}" for k, v in r["rss_growth_mib"].items())
     leaked = sum(r["leaked_blocks"].values())
@@ -104,8 +118,8 @@ def main() -> int:
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     lines = []
-    for name, render in (("engine", engine), ("transfer", transfer), ("serving", serving), ("soak", soak),
-                         ("signing", signing)):
+    for name, render in (("engine", engine), ("transfer", transfer), ("serving", serving), ("sweep", sweep),
+                         ("proxy_overhead", proxy_overhead), ("soak", soak), ("signing", signing)):
         data = load(name)
         if data is not None:
             lines += render(data) + [""]

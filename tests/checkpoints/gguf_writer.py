@@ -12,17 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
+from pdserve.checkpoints import gguf_file
+
 ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",  # llama.cpp writes Mistral as llama
         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-          "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-          "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-          "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-          "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
-          "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-          "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+# llama.cpp's names, the other way round (transformers' GGUF loader checks them independently)
+_LAYER = {hf: name for name, hf in gguf_file._LAYER.items()}
+_GLOBAL = {hf: name for name, hf in gguf_file._GLOBAL.items()}
 
 
 def gguf_name(hf: str) -> str:

@@ -123,7 +123,7 @@ class Engine:
                 raise InvalidRequestError("kv_transfer_params.first_token_logprob",
                                           "is required when logprobs are requested (send the "
                                           "request to the producer with logprobs too)")
-        self._check_capacity(n, kv_transfer)
+        self._check_capacity(n)
         self.connector.add_request(request_id, kv_transfer)  # the last check: nothing raises after it
         max_tokens = self.max_model_len - n
         if params.max_tokens is not None:
@@ -136,7 +136,7 @@ class Engine:
         if request.transfer == TransferState.AWAITING_KV:
             self._emit_first_token(request)
 
-    def _check_capacity(self, num_prompt_tokens: int, kv_transfer: KVTransferParams | None) -> None:
+    def _check_capacity(self, num_prompt_tokens: int) -> None:
         """A request that could not start even if everything running and queued here finished,
         because leases (blocks a remote reader has not read yet) and quarantine pin the rest, is
         refused now (503): waiting would not help; another instance might."""
@@ -157,7 +157,7 @@ class Engine:
         out, status = self.output_processor.append(request, first.token_id, lp)
         self.num_generated_tokens += 1
         self._pending.append(out)
-        if status is not None:  # only if the proxy forwarded a request the producer should have ended
+        if status is not None:  # max_tokens 1, or a stop of this request: the lease is released at once
             self._finish(request, status)
 
     def abort(self, request_id: str) -> bool:

@@ -15,12 +15,12 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
+from pdserve.http.errors import APIError
 from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.model.generation_config import GenerationDefaults
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.server.async_engine import AsyncEngine
-from pdserve.http.errors import APIError
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import Usage
 
