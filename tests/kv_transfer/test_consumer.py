@@ -267,3 +267,16 @@ def test_signed_params_cannot_be_changed(world):
     d.admit("r1", 9)
     world.run()
     assert d.outcome("r1").result == LoadResult.LOADED
+
+
+def test_a_consumer_dials_only_its_configured_producers(world):
+    p = world.instance("P", 1)
+    d = world.instance("D", 1, producers=("10.0.0.9:5600",))
+    with pytest.raises(InvalidRequestError) as e:
+        d.receive("r1", p.prefill("p1", 9))
+    assert e.value.field == "kv_transfer_params.remote_host" and not world.network.sent
+    ok = world.instance("D2", 1, producers=(f"127.0.0.1:{p.connector.producer.server.port}",))
+    ok.receive("r2", p.prefill("p2", 9))
+    ok.admit("r2", 9)
+    world.run()
+    assert ok.outcome("r2").result == LoadResult.LOADED
