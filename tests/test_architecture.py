@@ -19,7 +19,7 @@ LAYERS = [
     {"http"},
     {"server", "proxy"},
     {"llm", "launcher"},
-    {"bench"},
+    {"bench", "cluster"},
     {"cli", "pdserve"},  # `pdserve` is the package's own __init__
 ]
 

@@ -1,4 +1,4 @@
-"""`pdserve` command line: make-model, generate, serve, proxy, up.
+"""`pdserve` command line: make-model, generate, serve, proxy, up, ray, bench.
 
 The only place that reads the environment (PDSERVE_HOME, PDSERVE_API_KEY, PDSERVE_KV_SECRET).
 Each subcommand builds frozen configs and hands them to its entry point.
@@ -154,7 +154,7 @@ def _proxy(args) -> int:
         port_file=args.port_file, upstream_protocol=args.upstream_protocol,
         max_request_body_bytes=args.max_request_body_bytes, probe_interval_s=args.probe_interval_s,
         max_wait_s=args.max_wait_s, local_prefill_max_tokens=args.local_prefill_max_tokens,
-        local_prefill_max_queue=args.local_prefill_max_queue)
+        local_prefill_max_queue=args.local_prefill_max_queue, admin_key=os.environ.get("PDSERVE_ADMIN_KEY"))
     run_proxy(config, args.log_level.upper())
     return 0
 
@@ -165,7 +165,20 @@ def _up(args) -> int:
     args.model = ensure_model(args.model)  # a GGUF file is converted once, here
     if name:
         args.instance_args += f" --served-model-name {shlex.quote(name)}"
+    if args.ray is not None:
+        from pdserve.cluster.driver import run_up as run_up_on_ray
+        return run_up_on_ray(args, args.model)
     return run_up(args)
+
+
+def _ray_scale(args) -> int:
+    from pdserve.cluster.driver import run_scale
+    return run_scale(args)
+
+
+def _ray_status(args) -> int:
+    from pdserve.cluster.driver import run_status
+    return run_status(args)
 
 
 def _model_name(model: str | None) -> str | None:
@@ -224,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("proxy", help="route each request P -> D (xPyD, round-robin)")
     p.add_argument("--prefill", nargs="*", default=[], metavar="URL",
                    help="producers (none: every request goes to a decode instance whole)")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL")
+    p.add_argument("--decode", nargs="*", default=[], metavar="URL",
+                   help="decode instances (none: registered later, with PDSERVE_ADMIN_KEY set)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--port-file", default=None)
@@ -264,7 +278,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--instance-args", default="", help="extra arguments for every `pdserve serve`")
     p.add_argument("--port-file", default=None, help="write the proxy's bound port here as JSON")
     p.add_argument("--proxy-args", default="", help="extra arguments for `pdserve proxy`")
+    p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                   help="place the instances on a Ray cluster (ADDRESS: its head, default RAY_ADDRESS or "
+                        "the local one); the model path must exist on every node")
+    p.add_argument("--prefill-resources", default=None, metavar="JSON",
+                   help='with --ray: custom resources each prefill instance needs, e.g. \'{"node_a": 1}\'')
+    p.add_argument("--decode-resources", default=None, metavar="JSON", help="with --ray: the same for decode")
+    p.add_argument("--ray-threads-per-rank", type=int, default=1,
+                   help="with --ray: torch threads per TP rank (each instance asks Ray for TP x this CPUs)")
     p.set_defaults(func=_up)
+
+    ray = sub.add_parser("ray", help="a deployment started with `pdserve up --ray`").add_subparsers(
+        dest="ray_command", required=True)
+    p = ray.add_parser("scale", help="set how many prefill and decode instances run; wait until they serve")
+    p.add_argument("--prefill", type=int, default=None)
+    p.add_argument("--decode", type=int, default=None)
+    p.add_argument("--address", default=None, help="the Ray cluster (default RAY_ADDRESS or the local one)")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.set_defaults(func=_ray_scale)
+    p = ray.add_parser("status", help="the instances, where they run, whether they serve")
+    p.add_argument("--address", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_ray_status)
 
     bench = sub.add_parser("bench", help="serving benchmarks").add_subparsers(dest="bench", required=True)
     from pdserve.bench import serve as bench_serve

@@ -178,11 +178,13 @@ class ProxyConfig:
     max_wait_s: float = 30.0  # how long a request waits while every producer is busy (then 503)
     local_prefill_max_tokens: int = 0  # conditional disaggregation: shorter prompts may prefill on decode
     local_prefill_max_queue: int = 2  # ... while decode has at most this many waiting
+    admin_key: str | None = None  # enables PUT /admin/upstreams (a cluster registers its instances)
 
     def __post_init__(self):
         _check(self.upstream_protocol in ("auto", "pdserve", "vllm"), "upstream_protocol",
                f"must be auto, pdserve or vllm, got {self.upstream_protocol!r}")
-        _check(len(self.decode_urls) >= 1, "decode", "needs at least one decode URL")
+        _check(len(self.decode_urls) >= 1 or self.admin_key is not None, "decode",
+               "needs at least one decode URL (or an admin key: instances registered later)")
         for url in (*self.prefill_urls, *self.decode_urls):
             _check(url.startswith(("http://", "https://")), "prefill/decode",
                    f"URL must start with http:// or https://, got {url!r}")

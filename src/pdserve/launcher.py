@@ -20,6 +20,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable, Iterable
 
 from pdserve.cpus import parse_cpus
 
@@ -59,7 +60,8 @@ class Instance:
                                          start_new_session=True, preexec_fn=child_setup)
         return self
 
-    def wait_healthy(self, timeout_s: float = 180.0) -> "Instance":
+    def wait_healthy(self, timeout_s: float = 180.0, listening_only: bool = False) -> "Instance":
+        """Until `/health` answers 200 (or, `listening_only`, until the port is bound)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -67,6 +69,8 @@ class Instance:
                                    f"{self.log_path}\n{_tail(self.log_path)}")
             if self.port is None and self.port_file.exists():
                 self.port = json.loads(self.port_file.read_text())["port"]
+            if self.port is not None and listening_only:
+                return self
             if self.port is not None:
                 status, body = _health(self.url + "/health")
                 if status == 200:
@@ -212,21 +216,31 @@ def run_up(args) -> int:
                      instance_args=shlex.split(args.instance_args), proxy_port=args.port,
                      prefill_cpus=cpu_list(args.prefill_cpus), decode_cpus=cpu_list(args.decode_cpus),
                      log_dir=args.log_dir, proxy_args=shlex.split(args.proxy_args), proxy_host=args.host)
+
+    def describe():
+        for inst in dep.instances:
+            yield f"{inst.role:8} {inst.url}  cores {','.join(map(str, inst.cpus))}  log {inst.log_path}"
+        yield f"proxy    {dep.proxy.url}/v1  (Ctrl-C stops everything)"
+    return foreground(args, dep, describe, lambda: time.sleep(3600))
+
+
+def foreground(args, dep, describe: Callable[[], Iterable[str]], step: Callable[[], None]) -> int:
+    """Start `dep` (anything with start(), stop() and a `proxy`), write the port file, print what
+    runs, ask `--ask` once, then `step()` until Ctrl-C or SIGTERM (or, with `--exit`, stop)."""
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         dep.start()
         if args.port_file:
             from pdserve.http.listen import write_port_file
             write_port_file(args.port_file, args.host, dep.proxy.port)
-        for inst in dep.instances:
-            print(f"{inst.role:8} {inst.url}  cores {','.join(map(str, inst.cpus))}  log {inst.log_path}")
-        print(f"proxy    {dep.proxy.url}/v1  (Ctrl-C stops everything)", flush=True)
+        for line in describe():
+            print(line, flush=True)
         if args.ask:
             _ask(dep.proxy.url, args.ask, args.max_tokens)
             if args.exit:
                 return 0
         while True:
-            time.sleep(3600)
+            step()
     except KeyboardInterrupt:
         print("stopping", flush=True)
         return 0

@@ -177,3 +177,58 @@ def test_the_proxy_in_vllm_mode_fronting_pdserve_instances(xpyd, vllm_mode_proxy
         tokens = body["choices"][0]["token_ids"]
     assert_greedy_match(tokens, hf_reference(xpyd.model, p, 12), "proxy in vllm mode")
     _assert_one_read_and_no_local_prefill(decode, before, xpyd.model, len(p))
+
+
+ADMIN_KEY = "admin-" + "k" * 16
+
+
+@pytest.fixture(scope="module")
+def managed_proxy(xpyd):
+    """A proxy started with no instances: a cluster registers them (`pdserve up --ray` does)."""
+    from pdserve.launcher import Instance
+    proxy = Instance("proxy-managed", ["proxy", "--port", "0"])
+    proxy.spawn(xpyd.log_dir, {"PDSERVE_ADMIN_KEY": ADMIN_KEY}).wait_healthy(60, listening_only=True)
+    yield proxy
+    proxy.stop()
+
+
+def _register(proxy, body: dict, key: str = ADMIN_KEY) -> httpx.Response:
+    return httpx.put(proxy.url + "/admin/upstreams", json=body, timeout=10,
+                     headers={"Authorization": f"Bearer {key}"})
+
+
+def test_instances_registered_and_dropped_at_run_time(xpyd, managed_proxy):
+    url = managed_proxy.url
+    request = {"prompt": ids(12, seed=20), "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    r = httpx.post(url + "/v1/completions", json=request, timeout=30)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert "no decode instance registered" in r.json()["error"]["message"]
+    assert _register(xpyd.proxy, {"prefill": [], "decode": []}).status_code == 404  # no admin key: no admin
+    assert _register(managed_proxy, {"prefill": [], "decode": []}, key="wrong").status_code == 401
+    bad = _register(managed_proxy, {"prefill": "http://a", "decode": []})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prefill"
+    members = {"prefill": [i.url for i in xpyd.prefill], "decode": [xpyd.decode[0].url]}
+    assert _register(managed_proxy, members).json() == members
+
+    # a stream in flight when its decode instance leaves the proxy still ends whole
+    p = ids(30, seed=21)
+    tokens = []
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", url + "/v1/completions", json={
+                "prompt": p, "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True,
+                "return_token_ids": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    if not tokens:
+                        assert _register(managed_proxy, {**members, "decode": []}).json()["decode"] == []
+                    tokens += json.loads(line[6:])["choices"][0].get("token_ids") or []
+    assert_greedy_match(tokens, hf_reference(xpyd.model, p, 200), "decode dropped mid-stream")
+    assert len(tokens) == 200
+    assert httpx.post(url + "/v1/completions", json=request, timeout=30).status_code == 503
+    assert _register(managed_proxy, members).status_code == 200  # back
+    r = httpx.post(url + "/v1/completions", json=request, timeout=30)
+    assert r.status_code == 200, r.text
+    assert_greedy_match(r.json()["choices"][0]["token_ids"], hf_reference(xpyd.model, request["prompt"], 4))
+    for inst in xpyd.instances:
+        assert wait_idle(inst)["num_free_blocks"] == stats(inst)["num_blocks"]

@@ -31,3 +31,22 @@ def test_down_instances_come_last_and_load_orders_the_rest():
         assert [s.url for s in p.candidates()] == ["http://i2", "http://i1", "http://i0"]
     c.kv_usage, b.outstanding, b.queued = 0.9, 0, 1  # equal queue: less KV in use wins
     assert p.candidates()[0] is b
+
+
+def test_members_change_at_run_time_and_known_ones_keep_their_state():
+    p = pool(2)
+    a, b = p.states
+    a.outstanding, b.healthy = 1, False
+    built = []
+
+    def make(url):
+        built.append(url)
+        return FakeUpstream(url)
+    left = p.set_members(["http://i1", "http://i9"], make)
+    assert [s.url for s in p.states] == ["http://i1", "http://i9"]
+    assert p.states[0] is b and not b.healthy  # known: the same state, down until a probe says up
+    assert left == [a] and a.outstanding == 1  # gone from the pool; its request in flight goes on
+    assert built == ["http://i9"]  # a client only for the new one
+    assert p.set_members(["http://i1", "http://i9"], make) == [] and built == ["http://i9"]
+    left = p.set_members([], make)
+    assert [s.url for s in left] == ["http://i1", "http://i9"] and p.candidates() == []

@@ -27,7 +27,8 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-PROTECTED = ("/v1", "/debug", "/metrics", "/kv")  # behind the API key when one is set (/health is not)
+# Behind the API key when one is set (/health is not; the proxy's /admin has a key of its own).
+PROTECTED = ("/v1", "/debug", "/metrics", "/kv")
 
 
 class RequestContext:

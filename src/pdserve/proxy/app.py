@@ -5,7 +5,9 @@ Proxy process. Clients reach this process; it reaches the instances (docs/design
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hmac
 import logging
 
 from fastapi import FastAPI, Request
@@ -17,17 +19,20 @@ from pdserve.http.errors import APIError, install_handlers
 from pdserve.http.middleware import BodyLimit, RequestContext
 from pdserve.proxy.decision import DisaggPolicy
 from pdserve.proxy.flow import PDFlow
+from pdserve.proxy.relay import parse_body
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.router import Router
+from pdserve.proxy.router import Router, UpstreamState
 from pdserve.proxy.upstream import Upstream
 
 logger = logging.getLogger("pdserve.proxy")
 
 
 def create_app(config: ProxyConfig) -> FastAPI:
+    def upstream(url: str) -> Upstream:
+        return Upstream(url, config.upstream_api_key, config.connect_timeout_s, config.request_timeout_s)
+
     def upstreams(urls):
-        return [Upstream(u, config.upstream_api_key, config.connect_timeout_s,
-                         config.request_timeout_s) for u in urls]
+        return [upstream(u) for u in urls]
     router = Router(upstreams(config.prefill_urls), upstreams(config.decode_urls), config.probe_interval_s)
     metrics = ProxyMetrics()
     flow = PDFlow(router, metrics, config.upstream_protocol, config.max_wait_s,
@@ -64,9 +69,37 @@ def create_app(config: ProxyConfig) -> FastAPI:
                 metrics.healthy.labels(pool.role, state.url).set(int(state.healthy))
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    closing: set[asyncio.Task] = set()
+
+    @app.put("/admin/upstreams")
+    async def set_upstreams(request: Request):
+        """A cluster (pdserve up --ray) says which instances exist now: {"prefill": [...], "decode": [...]}.
+        Ones that leave get no new requests; their requests in flight finish."""
+        if config.admin_key is None:
+            raise APIError(404, "not found")
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {config.admin_key}".encode()):
+            raise APIError(401, "admin key missing or wrong")
+        body = parse_body(await request.body())
+        wanted = {}
+        for role in ("prefill", "decode"):
+            urls = body.get(role)
+            if not isinstance(urls, list) or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
+                                                     for u in urls):
+                raise APIError(400, f"{role}: must be a list of http(s) URLs", param=role)
+            wanted[role] = list(dict.fromkeys(u.rstrip("/") for u in urls))
+        for pool in (router.prefill, router.decode):
+            for state in pool.set_members(wanted[pool.role], upstream):
+                closing.add(task := asyncio.ensure_future(_close_when_idle(state)))
+                task.add_done_callback(closing.discard)
+        return {"prefill": [s.url for s in router.prefill.states], "decode": [s.url for s in router.decode.states]}
+
     @app.get("/v1/models")
     async def models():
-        upstream = router.decode.candidates()[0].upstream
+        candidates = router.decode.candidates()
+        if not candidates:
+            raise APIError(503, "no decode instance registered yet", headers={"Retry-After": "1"})
+        upstream = candidates[0].upstream
         try:
             r = await upstream.client.get("/v1/models")
         except Exception as e:  # noqa: BLE001
@@ -84,3 +117,12 @@ def create_app(config: ProxyConfig) -> FastAPI:
                                  request.is_disconnected)
 
     return app
+
+
+async def _close_when_idle(state: UpstreamState, poll_s: float = 0.5, limit_s: float = 3600.0) -> None:
+    """An instance that left the pool: its requests in flight finish first (a stream may be long)."""
+    waited = 0.0
+    while state.outstanding > 0 and waited < limit_s:
+        await asyncio.sleep(poll_s)
+        waited += poll_s
+    await state.upstream.close()

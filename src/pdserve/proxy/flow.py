@@ -40,6 +40,7 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 PROTOCOLS = ("auto", "pdserve", "vllm")
 CLIENT_GONE = 499  # nginx's code: the client closed the connection
+EMPTY = "no instance"
 
 
 class _NoTaker(Exception):
@@ -50,6 +51,8 @@ class _NoTaker(Exception):
         self.role, self.refused, self.detail = role, refused, detail
 
     def error(self) -> APIError:
+        if self.detail == EMPTY:  # a cluster has not registered any yet (or dropped them all)
+            return APIError(503, f"no {self.role} instance registered", headers={"Retry-After": "1"})
         if self.refused:
             return APIError(503, f"every {self.role} instance is busy: {self.detail}")
         return APIError(502, f"no {self.role} instance reachable: {self.detail}")
@@ -67,8 +70,9 @@ class PDFlow:
 
     async def upstream_protocol(self) -> str:
         """`auto`: the first prefill instance's `owned_by` says (asked once; pdserve until known)."""
-        if self.protocol is None:
-            owner = await (self.router.prefill.upstreams or self.router.decode.upstreams)[0].owner()
+        known = self.router.prefill.upstreams or self.router.decode.upstreams
+        if self.protocol is None and known:
+            owner = await known[0].owner()
             if owner is not None:
                 self.protocol = "vllm" if owner == "vllm" else "pdserve"
                 logger.info("upstream protocol: %s (the prefill instance is owned by %r)", self.protocol, owner)
@@ -179,7 +183,7 @@ class PDFlow:
             pause = min(1.0, pause * 2)
 
     async def _take_once(self, pool: Pool, send) -> tuple[UpstreamState, httpx.Response]:
-        last, refused = "no instance", False
+        last, refused = EMPTY, False
         for i, state in enumerate(pool.candidates()):
             if i:
                 self.metrics.retries.labels(pool.role).inc()

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from typing import Callable
 
 from pdserve.proxy.upstream import Upstream
 
@@ -56,6 +57,14 @@ class Pool:
             return []
         rotated = [self.states[(turn + i) % n] for i in range(n)]
         return sorted(rotated, key=UpstreamState.score)
+
+    def set_members(self, urls: list[str], make: Callable[[str], Upstream]) -> list[UpstreamState]:
+        """Serve exactly these instances from now on: known ones keep their state (and client),
+        `make` builds the new ones. Returns the states that left: their requests in flight go on,
+        close each once it has none."""
+        known = {s.url: s for s in self.states}
+        self.states = [known.get(url) or UpstreamState(make(url)) for url in urls]
+        return [s for url, s in known.items() if url not in set(urls)]
 
     def least_queued(self) -> int:
         """The shortest queue among healthy instances (what this proxy has outstanding there plus

@@ -1,0 +1,212 @@
+"""`pdserve up --ray`, `pdserve ray scale`, `pdserve ray status`.
+
+CLI process: a Ray driver on a node of the cluster. Ray places the instances (actors, see
+actors.py) by the CPUs and custom resources each asks for, and restarts them when they die; the
+driver runs the proxy beside it and, about once a second, asks every actor how it is and tells the
+proxy which instances answer (`PUT /admin/upstreams`), so instances that join, leave, die or come
+back are routed to without restarting anything. The driver owns the actors: when it stops, they stop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shlex
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from pdserve.cluster import plan
+from pdserve.cluster.actors import NAMESPACE, REGISTRY, InstanceActor, Registry
+from pdserve.launcher import Instance, foreground
+
+logger = logging.getLogger("pdserve.cluster")
+
+
+def connect(address: str | None):
+    """`ray.init` as a driver of the cluster at `address` (None: RAY_ADDRESS, else the local one)."""
+    try:
+        import ray
+    except ImportError:
+        raise SystemExit("a Ray deployment needs Ray: pip install 'pdserve[ray]'") from None
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    extra = {}
+    if address != "auto":  # this node is whichever of its addresses reaches the head
+        extra["_node_ip_address"] = local_address_towards(address)
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, **extra)
+    return ray
+
+
+def local_address_towards(address: str) -> str:
+    """This host's address on the route to `host:port` (a UDP connect sends nothing)."""
+    host = address.removeprefix("ray://").rsplit(":", 1)[0].strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+class RayDeployment:
+    def __init__(self, args, model: str):
+        self.args = args
+        self.model = model
+        self.env = {"PDSERVE_KV_SECRET": os.environ.get("PDSERVE_KV_SECRET") or secrets.token_hex(32)}
+        self.admin_key = secrets.token_hex(16)
+        self.members: list[plan.Member] = []
+        self.proxy: Instance | None = None
+        self.routed: dict | None = None  # what the proxy was last told
+        self.reported: dict | None = None  # what the registry was last told
+        self.ray = None
+
+    def start(self, timeout_s: float = 600.0) -> "RayDeployment":
+        ray = self.ray = connect(self.args.ray)
+        try:
+            self.registry = ray.remote(Registry).options(name=REGISTRY, num_cpus=0).remote(
+                self.args.prefill, self.args.decode)
+        except ValueError:  # the name is taken
+            raise SystemExit("a pdserve deployment already runs on this Ray cluster "
+                             "(`pdserve ray status` shows it; stop it first)") from None
+        self.proxy = Instance("proxy", ["proxy", "--port", str(self.args.port), "--host", self.args.host,
+                                        *shlex.split(self.args.proxy_args)], host=self.args.host)
+        log_dir = Path(self.args.log_dir or tempfile.mkdtemp(prefix="pdserve-ray-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.proxy.spawn(log_dir, {**self.env, "PDSERVE_ADMIN_KEY": self.admin_key})
+        self.proxy.wait_healthy(60, listening_only=True)  # (healthy once a decode instance is routed)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.reconcile()
+            if status["ready"] == status["wanted"]:
+                return self
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"instances not up within {timeout_s:.0f} s: {json.dumps(status)}")
+
+    def _actor(self, role: str):
+        tp = self.args.prefill_tp if role == "prefill" else self.args.decode_tp
+        threads = self.args.ray_threads_per_rank
+        resources = json.loads(getattr(self.args, f"{role}_resources") or "{}")
+        cls = self.ray.remote(InstanceActor).options(num_cpus=tp * threads, resources=resources,
+                                                     max_restarts=-1, max_task_retries=0)
+        return cls.remote(role, self.model, tp, threads, shlex.split(self.args.instance_args), self.env)
+
+    def reconcile(self, wait_s: float = 1.0) -> dict:
+        """One round (about `wait_s`): start or stop actors to the wanted counts, hear from every
+        actor, route to those that serve."""
+        ray = self.ray
+        began = time.monotonic()
+        wanted = ray.get(self.registry.get_wanted.remote(), timeout=30)
+        start, stop = plan.changes(wanted, self.members)
+        for role, n in start.items():
+            self.members += [plan.Member(role, self._actor(role)) for _ in range(n)]
+        self.members = [m for m in self.members if m not in stop]
+        self._hear(wait_s)
+        self._route()  # the ones that go leave the proxy before they stop
+        for m in stop:
+            self._stop(m)
+        status = plan.status(wanted, self.members, self.proxy.url)
+        if status != self.reported:
+            self.registry.report.remote(status)
+            self.reported = status
+        time.sleep(max(0.0, wait_s - (time.monotonic() - began)))
+        return status
+
+    def _hear(self, wait_s: float) -> None:
+        for m in self.members:
+            if m.pending is None:
+                m.pending = m.actor.info.remote()
+        pending = [m.pending for m in self.members]
+        ready, _ = self.ray.wait(pending, num_returns=len(pending), timeout=wait_s) if pending else ([], [])
+        ready = set(ready)
+        for m in self.members:
+            if m.pending not in ready:
+                continue  # starting (its constructor is running) or slow: as it was
+            try:
+                m.info = self.ray.get(m.pending)
+            except Exception as e:  # noqa: BLE001 - died or restarting: not routed until it answers
+                m.info = {"alive": False, "state": "down", "error": type(e).__name__}
+            m.pending = None
+
+    def _route(self) -> None:
+        routes = plan.routes(self.members)
+        if routes == self.routed:
+            return
+        try:
+            r = httpx.put(self.proxy.url + "/admin/upstreams", json=routes, timeout=10,
+                          headers={"Authorization": f"Bearer {self.admin_key}"})
+            r.raise_for_status()
+            self.routed = routes
+        except httpx.HTTPError as e:
+            logger.warning("could not tell the proxy which instances serve: %s", e)
+
+    def _stop(self, m: plan.Member) -> None:
+        try:
+            self.ray.get(m.actor.stop.remote(), timeout=90)
+        except Exception as e:  # noqa: BLE001 - it goes either way
+            logger.info("%s instance did not stop by itself: %s", m.role, e)
+        self.ray.kill(m.actor, no_restart=True)
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+        for m in self.members:
+            self._stop(m)
+        if self.ray is not None:
+            self.ray.shutdown()
+
+
+def run_up(args, model: str) -> int:
+    """`pdserve up --ray [ADDRESS]`: start, print the proxy URL, keep routing until Ctrl-C."""
+    try:
+        plan.check_counts(args.prefill, args.decode)
+    except ValueError as e:
+        raise SystemExit(f"pdserve up: --{e}") from None
+    dep = RayDeployment(args, model)
+
+    def describe():
+        for m in dep.members:
+            yield f"{m.role:8} {m.info['url']}  node {m.info['host']}  log {m.info['log']}"
+        yield f"proxy    {dep.proxy.url}/v1  (Ray; `pdserve ray status`, `pdserve ray scale`; Ctrl-C stops)"
+    return foreground(args, dep, describe, dep.reconcile)
+
+
+def _registry(address: str | None):
+    ray = connect(address)
+    try:
+        return ray, ray.get_actor(REGISTRY)
+    except ValueError:
+        raise SystemExit("no pdserve deployment on this Ray cluster (start one: pdserve up --ray)") from None
+
+
+def run_scale(args) -> int:
+    """`pdserve ray scale`: set the wanted counts, wait until that many serve."""
+    try:
+        plan.check_counts(args.prefill, args.decode)
+    except ValueError as e:
+        raise SystemExit(f"pdserve ray scale: --{e}") from None
+    ray, registry = _registry(args.address)
+    wanted = ray.get(registry.scale.remote(args.prefill, args.decode))
+    deadline = time.monotonic() + args.timeout_s
+    while True:
+        status = ray.get(registry.get_status.remote())
+        done = status.get("ready") == wanted and len(status.get("instances", [])) == sum(wanted.values())
+        if done or time.monotonic() > deadline:
+            print(json.dumps({"wanted": wanted, "ready": status.get("ready")}), flush=True)
+            return 0 if done else 1
+        time.sleep(0.5)
+
+
+def run_status(args) -> int:
+    ray, registry = _registry(args.address)
+    status = ray.get(registry.get_status.remote())
+    if args.json:
+        print(json.dumps(status, indent=1))
+        return 0
+    print(f"proxy {status.get('proxy')}/v1  wanted {status['wanted']}  ready {status.get('ready')}")
+    for i in status.get("instances", []):
+        state = "serving" if i.get("alive") else i.get("state", "down") + (f" ({i['error']})" if "error" in i else "")
+        print(f"{i['role']:8} {i.get('url', '-'):26} node {i.get('host', '?'):15} {state}")
+    return 0
