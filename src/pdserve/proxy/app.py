@@ -22,7 +22,7 @@ from pdserve.proxy.flow import PDFlow
 from pdserve.proxy.relay import parse_body
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.router import Router, UpstreamState
-from pdserve.proxy.upstream import Upstream
+from pdserve.proxy.upstream import Upstream, UpstreamError
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -101,8 +101,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
             raise APIError(503, "no decode instance registered yet", headers={"Retry-After": "1"})
         upstream = candidates[0].upstream
         try:
-            r = await upstream.client.get("/v1/models")
-        except Exception as e:  # noqa: BLE001
+            r = await upstream.get("/v1/models")
+        except UpstreamError as e:
             raise APIError(502, f"decode instance {upstream.url} unreachable: {e}") from None
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 

@@ -24,7 +24,6 @@ import asyncio
 import logging
 import time
 
-import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.http.errors import APIError
@@ -32,7 +31,7 @@ from pdserve.proxy.decision import LOCAL, DisaggPolicy, prompt_tokens
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.relay import as_stream, error_body, parse_body, relay
 from pdserve.proxy.router import Pool, Router, UpstreamState
-from pdserve.proxy.upstream import UpstreamError
+from pdserve.proxy.upstream import Reply, Stream, UpstreamError
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -145,7 +144,7 @@ class PDFlow:
 
     # --- legs -----------------------------------------------------------------------------------
 
-    async def _post(self, pool: Pool, path: str, body: dict, headers: dict) -> tuple[UpstreamState, httpx.Response]:
+    async def _post(self, pool: Pool, path: str, body: dict, headers: dict) -> tuple[UpstreamState, Reply]:
         """The first whole answer that is not a refusal."""
         state, resp = await self._take(pool, lambda u: u.post_json(path, body, headers))
         self._count(pool, state, -1)
@@ -159,14 +158,14 @@ class PDFlow:
             return _passed_on(resp, headers)
         state, resp = await self._take(pool, lambda u: u.open_stream(path, body, headers))
         if resp.status_code != 200:
-            detail = (await resp.aread()).decode(errors="replace")
-            await resp.aclose()
+            detail = (await resp.read()).decode(errors="replace")
+            await resp.close()
             self._count(pool, state, -1)
             return JSONResponse(error_body(resp.status_code, detail), status_code=resp.status_code, headers=headers)
         return StreamingResponse(self._stream(pool, state, resp, start), media_type="text/event-stream",
                                  headers=headers)
 
-    async def _take(self, pool: Pool, send) -> tuple[UpstreamState, httpx.Response]:
+    async def _take(self, pool: Pool, send) -> tuple[UpstreamState, Reply | Stream]:
         """`send` to the pool's instances, best first, until one does not refuse. While every
         producer refuses (busy: its blocks are held for readers) the request waits, up to
         `max_wait_s`, as it would in a queue, holding nothing meanwhile; a decode leg does not wait
@@ -182,7 +181,7 @@ class PDFlow:
             await asyncio.sleep(pause)
             pause = min(1.0, pause * 2)
 
-    async def _take_once(self, pool: Pool, send) -> tuple[UpstreamState, httpx.Response]:
+    async def _take_once(self, pool: Pool, send) -> tuple[UpstreamState, Reply | Stream]:
         last, refused = EMPTY, False
         for i, state in enumerate(pool.candidates()):
             if i:
@@ -196,7 +195,7 @@ class PDFlow:
                 last = str(e)
                 continue
             if _refused(pool, resp):
-                await resp.aclose()
+                await resp.close()
                 self._count(pool, state, -1)
                 self.metrics.upstream_requests.labels(pool.role, state.url, "refused").inc()
                 refused, last = True, f"{state.url} answered {resp.status_code}"
@@ -205,12 +204,12 @@ class PDFlow:
             return state, resp
         raise _NoTaker(pool.role, refused, last)
 
-    async def _stream(self, pool: Pool, state: UpstreamState, resp: httpx.Response, start: float):
+    async def _stream(self, pool: Pool, state: UpstreamState, resp: Stream, start: float):
         try:
             async for chunk in relay(resp, pool.role, state.url, self.metrics, start):
                 yield chunk
         finally:
-            await resp.aclose()
+            await resp.close()
             self._count(pool, state, -1)
 
     # --- bookkeeping ------------------------------------------------------------------------------
@@ -244,7 +243,7 @@ async def _cancel_when_gone(is_disconnected, task: asyncio.Future, every_s: floa
         await asyncio.sleep(every_s)
 
 
-def _refused(pool: Pool, resp: httpx.Response) -> bool:
+def _refused(pool: Pool, resp: Reply | Stream) -> bool:
     """An answer that means "ask someone else": busy (503); for a producer also a failure before it
     did anything (other 5xx). A decode instance's 5xx came after it took the request: passed on."""
     if pool.role == "decode":
@@ -252,7 +251,7 @@ def _refused(pool: Pool, resp: httpx.Response) -> bool:
     return resp.status_code >= 500 and resp.status_code != 504
 
 
-def _passed_on(resp: httpx.Response, headers: dict) -> Response:
+def _passed_on(resp: Reply, headers: dict) -> Response:
     return Response(resp.content, status_code=resp.status_code, media_type="application/json", headers=headers)
 
 

@@ -10,10 +10,9 @@ import json
 import logging
 import time
 
-import httpx
-
 from pdserve.http.errors import APIError
 from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.upstream import Stream, UpstreamError
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -37,12 +36,12 @@ def error_body(status: int, detail: str) -> dict:
         return APIError(status, detail).body()
 
 
-async def relay(resp: httpx.Response, role: str, url: str, m: ProxyMetrics, start: float):
+async def relay(resp: Stream, role: str, url: str, m: ProxyMetrics, start: float):
     """An instance's SSE events, as they come; a broken stream ends with an error event."""
     first = last = None
     events = 0
     try:
-        async for chunk in resp.aiter_raw():
+        async for chunk in resp.chunks():
             now = time.monotonic()
             n = chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
             if n > 0:
@@ -53,7 +52,7 @@ async def relay(resp: httpx.Response, role: str, url: str, m: ProxyMetrics, star
                     m.itl.observe((now - last) / n)
                 last, events = now, events + n
             yield chunk
-    except httpx.HTTPError as e:  # the stream has started: end it with an error event
+    except UpstreamError as e:  # the stream has started: end it with an error event
         m.upstream_errors.labels(role).inc()
         logger.warning("%s stream from %s broke: %s", role, url, e)
         yield f"data: {json.dumps(APIError(502, f'{role} instance failed: {e}').body())}\n\n"

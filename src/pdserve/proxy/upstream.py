@@ -1,16 +1,20 @@
 """One upstream instance as the proxy sees it: a pooled HTTP client with bounded timeouts.
 
-Proxy process. One `httpx.AsyncClient` per upstream, reused by every request.
+Proxy process (event loop). One aiohttp session per upstream, made on first use (inside the loop)
+and reused by every request: its C parser costs about half of httpx's time per call here, and the
+proxy pays it twice per request (bench/proxy_overhead.py). The rest of the proxy sees only
+`Reply` (a whole answer), `Stream` (an answer arriving) and `UpstreamError`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
-import httpx
-
+import aiohttp
 
 _JSON = {"Content-Type": "application/json"}
+_FAILURES = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
 def _encode(body: dict) -> bytes:
@@ -23,42 +27,103 @@ class UpstreamError(RuntimeError):
     """The upstream could not be reached or broke the connection (the proxy answers 502)."""
 
 
+class Reply:
+    """A whole answer."""
+
+    def __init__(self, status_code: int, content: bytes):
+        self.status_code = status_code
+        self.content = content
+
+    def json(self):
+        return json.loads(self.content)
+
+    async def close(self) -> None:
+        """Nothing is held (as `Stream.close`, so a refusal of either kind is closed alike)."""
+
+
+class Stream:
+    """An answer whose status and headers have arrived; the body comes with `chunks()`. Whoever
+    holds it closes it: a stream not read to its end closes the connection, so the instance sees
+    the client leave."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, where: str):
+        self._resp = resp
+        self._where = where
+        self.status_code = resp.status
+
+    async def chunks(self):
+        """The bytes as they arrive; a broken connection raises UpstreamError."""
+        try:
+            async for chunk in self._resp.content.iter_any():
+                yield chunk
+        except _FAILURES as e:
+            raise UpstreamError(f"{self._where}: {type(e).__name__}: {e}") from e
+
+    async def read(self) -> bytes:
+        try:
+            return await self._resp.read()
+        except _FAILURES as e:
+            raise UpstreamError(f"{self._where}: {type(e).__name__}: {e}") from e
+
+    async def close(self) -> None:
+        if self._resp.content.at_eof():
+            self._resp.release()  # read whole: the connection goes back to the pool
+        else:
+            self._resp.close()
+
+
 class Upstream:
     def __init__(self, url: str, api_key: str | None, connect_timeout_s: float, timeout_s: float):
         self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.AsyncClient(
-            base_url=self.url, headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # no total limit (a stream may be long); each connect and each wait for bytes is bounded
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
 
-    async def post_json(self, path: str, body: dict, headers: dict) -> httpx.Response:
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                headers=self._headers, timeout=self._timeout, auto_decompress=False,
+                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0, ttl_dns_cache=60))
+        return self._session
+
+    async def _request(self, method: str, path: str, body: dict | None, headers: dict | None,
+                       timeout_s: float | None = None) -> Reply:
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
+        data = None if body is None else _encode(body)
         try:
-            return await self.client.post(path, content=_encode(body), headers={**headers, **_JSON})
-        except httpx.HTTPError as e:
+            async with self.session.request(method, self.url + path, data=data, timeout=timeout,
+                                            headers={**(headers or {}), **_JSON} if data else headers) as r:
+                return Reply(r.status, await r.read())
+        except _FAILURES as e:
             raise UpstreamError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
 
-    async def open_stream(self, path: str, body: dict, headers: dict) -> httpx.Response:
-        """A streaming response whose status and headers have arrived; the caller closes it."""
-        request = self.client.build_request("POST", path, content=_encode(body), headers={**headers, **_JSON})
+    async def post_json(self, path: str, body: dict, headers: dict) -> Reply:
+        return await self._request("POST", path, body, headers)
+
+    async def get(self, path: str, timeout_s: float = 10.0) -> Reply:
+        return await self._request("GET", path, None, None, timeout_s)
+
+    async def open_stream(self, path: str, body: dict, headers: dict) -> Stream:
         try:
-            return await self.client.send(request, stream=True)
-        except httpx.HTTPError as e:
+            resp = await self.session.post(self.url + path, data=_encode(body), headers={**headers, **_JSON})
+        except _FAILURES as e:
             raise UpstreamError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
+        return Stream(resp, self.url + path)
 
     async def owner(self) -> str | None:
         """`owned_by` of the instance's first model ("pdserve", "vllm", ...); None if unknown."""
         try:
-            r = await self.client.get("/v1/models", timeout=5.0)
-            return r.json()["data"][0].get("owned_by")
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+            return (await self.get("/v1/models", timeout_s=5.0)).json()["data"][0].get("owned_by")
+        except (UpstreamError, ValueError, KeyError, IndexError, TypeError, AttributeError):
             return None
 
     async def health(self) -> tuple[bool, dict | None]:
         """(healthy, the load it reports: queue and KV use; None when it reports none)."""
         try:
-            r = await self.client.get("/health", timeout=2.0)
-        except httpx.HTTPError:
+            r = await self.get("/health", timeout_s=2.0)
+        except UpstreamError:
             return False, None
         if r.status_code != 200:
             return False, None
@@ -69,4 +134,5 @@ class Upstream:
         return True, body.get("load") if isinstance(body, dict) else None
 
     async def close(self) -> None:
-        await self.client.aclose()
+        if self._session is not None:
+            await self._session.close()
