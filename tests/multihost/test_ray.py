@@ -106,6 +106,7 @@ class Load:
         self.reference = [hf_reference(model, ids, 8) for ids in self.prompts]
         self.codes: list[int] = []
         self.wrong: list[str] = []
+        self.errors: list[str | None] = []
         self.stopped = False
         self.pool = concurrent.futures.ThreadPoolExecutor(2)
 
@@ -120,6 +121,8 @@ class Load:
             except OSError:
                 code, body = 0, None
             self.codes.append(code)
+            if code not in (0, 200):  # an error says what happened, in OpenAI's shape
+                self.errors.append(((body or {}).get("error") or {}).get("message"))
             if code == 200:
                 try:
                     assert_greedy_match(body["choices"][0]["token_ids"], self.reference[i], "ray load")
@@ -165,14 +168,20 @@ def test_decode_scales_up_and_down_under_load(deployment, tiny_model):
         assert idle["num_free_blocks"] == idle["num_blocks"], role
 
 
-def test_a_killed_decode_instance_comes_back(deployment, tiny_model):
+@pytest.mark.parametrize("victim", ["instance", "actor"])
+def test_a_killed_decode_instance_comes_back(deployment, tiny_model, victim):
+    """SIGKILL of the instance (its process group: every rank at once), or of its actor's worker
+    (the instance follows it: PR_SET_PDEATHSIG); either way Ray restarts the actor."""
     hosts, address, proxy = deployment
     s = status(hosts, address)
     before = instance(s, "decode")
-    victim = next(i for i in s["instances"] if i["role"] == "decode")
+    info = next(i for i in s["instances"] if i["role"] == "decode")
     with Load(proxy.url, tiny_model) as load:
         time.sleep(2)
-        os.killpg(victim["serve_pid"], signal.SIGKILL)  # the instance and its ranks, at once
+        if victim == "instance":
+            os.killpg(info["serve_pid"], signal.SIGKILL)
+        else:
+            os.kill(info["actor_pid"], signal.SIGKILL)
         killed_at = len(load.codes)
         deadline = time.monotonic() + 180
         while True:  # Ray restarts the actor, which starts a new instance; the driver routes to it
@@ -189,6 +198,7 @@ def test_a_killed_decode_instance_comes_back(deployment, tiny_model):
     assert load.wrong == []  # an answer is right or it is an error
     assert set(load.codes[:killed_at]) == {200}
     assert set(load.codes) <= {200, 502, 503}, sorted(set(load.codes))  # failed cleanly, none hung
+    assert all(load.errors), load.errors
     assert load.codes[-4:] == [200] * 4, load.codes[back:]
     s = status(hosts, address)
     assert metric(instance(s, "decode"), "pdserve:kv_transfers_total") >= 4  # P/D again, on the new one
