@@ -206,7 +206,7 @@ def test_a_killed_decode_instance_comes_back(deployment, tiny_model, victim):
     assert idle["num_free_blocks"] == idle["num_blocks"]
 
 
-def test_wrong_counts_and_a_second_deployment_are_refused(deployment, tiny_model):
+def test_status_and_refusals(deployment, tiny_model):
     hosts, address, _ = deployment
     r = ray_cli(hosts, address, "scale", "--decode", "0", timeout=60)
     assert r.returncode != 0 and "decode: must be >= 1" in r.stderr, r.stderr
@@ -215,3 +215,8 @@ def test_wrong_counts_and_a_second_deployment_are_refused(deployment, tiny_model
                        env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "already runs on this Ray cluster" in r.stderr, r.stderr[-2000:]
     assert status(hosts, address)["ready"] == {"prefill": 1, "decode": 1}  # the first one is untouched
+    table = ray_cli(hosts, address, "status", timeout=60).stdout.splitlines()  # as a person reads it
+    assert table[0].startswith("proxy http://") and len(table) == 3, table
+    assert {line.split()[0] for line in table[1:]} == {"prefill", "decode"}
+    assert all(line.split()[-1] == "serving" and hosts.ipv4("worker" if line.startswith("decode") else "head")
+               in line for line in table[1:]), table

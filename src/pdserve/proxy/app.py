@@ -99,11 +99,11 @@ def create_app(config: ProxyConfig) -> FastAPI:
         candidates = router.decode.candidates()
         if not candidates:
             raise APIError(503, "no decode instance registered yet", headers={"Retry-After": "1"})
-        upstream = candidates[0].upstream
+        target = candidates[0].upstream
         try:
-            r = await upstream.get("/v1/models")
+            r = await target.get("/v1/models")
         except UpstreamError as e:
-            raise APIError(502, f"decode instance {upstream.url} unreachable: {e}") from None
+            raise APIError(502, f"decode instance {target.url} unreachable: {e}") from None
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @app.post("/v1/completions")
