@@ -1,6 +1,7 @@
 """`pdserve` command line: make-model, generate, serve, proxy, up, ray, bench.
 
-The only place that reads the environment (PDSERVE_HOME, PDSERVE_API_KEY, PDSERVE_KV_SECRET).
+Reads the environment (PDSERVE_HOME, PDSERVE_API_KEY, PDSERVE_KV_SECRET, PDSERVE_ADMIN_KEY);
+launchers pass PDSERVE_KV_SECRET on to the instances they start.
 Each subcommand builds frozen configs and hands them to its entry point.
 """
 

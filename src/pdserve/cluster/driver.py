@@ -42,6 +42,18 @@ def connect(address: str | None):
     return ray
 
 
+def _resources(text: str | None, flag: str) -> dict:
+    """Ray custom resources from JSON: {"name": amount, ...}."""
+    try:
+        value = json.loads(text or "{}")
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{flag}: not JSON: {e}") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0
+                                              for k, v in value.items()):
+        raise SystemExit(f'{flag}: must be an object of resource amounts, e.g. {{"node_a": 1}}; got {text!r}')
+    return value
+
+
 def local_address_towards(address: str) -> str:
     """This host's address on the route to `host:port` (a UDP connect sends nothing)."""
     host = address.removeprefix("ray://").rsplit(":", 1)[0].strip("[]")
@@ -58,6 +70,8 @@ class RayDeployment:
         self.env = {"PDSERVE_KV_SECRET": os.environ.get("PDSERVE_KV_SECRET") or secrets.token_hex(32)}
         self.admin_key = secrets.token_hex(16)
         self.members: list[plan.Member] = []
+        self.resources = {role: _resources(getattr(args, f"{role}_resources"), f"--{role}-resources")
+                          for role in plan.ROLES}
         self.proxy: Instance | None = None
         self.routed: dict | None = None  # what the proxy was last told
         self.reported: dict | None = None  # what the registry was last told
@@ -88,7 +102,7 @@ class RayDeployment:
     def _actor(self, role: str):
         tp = self.args.prefill_tp if role == "prefill" else self.args.decode_tp
         threads = self.args.ray_threads_per_rank
-        resources = json.loads(getattr(self.args, f"{role}_resources") or "{}")
+        resources = self.resources[role]
         cls = self.ray.remote(InstanceActor).options(num_cpus=tp * threads, resources=resources,
                                                      max_restarts=-1, max_task_retries=0)
         return cls.remote(role, self.model, tp, threads, shlex.split(self.args.instance_args), self.env)
