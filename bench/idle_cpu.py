@@ -25,18 +25,22 @@ from pdserve.launcher import Deployment  # noqa: E402
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def group_cpu_seconds(pgids: set[int]) -> float:
-    total = 0
+def processes() -> dict[int, tuple[int, int, float]]:
+    """pid -> (parent, process group, CPU seconds so far: user + system)."""
+    out = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = (Path("/proc") / pid / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) in pgids:  # field 5 of stat: process group
-            total += int(fields[11]) + int(fields[12])  # utime + stime
-    return total / TICK
+        out[int(pid)] = (int(fields[1]), int(fields[2]), (int(fields[11]) + int(fields[12])) / TICK)
+    return out
+
+
+def group_cpu_seconds(pgids: set[int]) -> float:
+    return sum(cpu for _, pgid, cpu in processes().values() if pgid in pgids)
 
 
 def main() -> int:

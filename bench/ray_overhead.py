@@ -25,38 +25,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests" / "multihost"))  # the namespace and Ray-node helpers
 
+from idle_cpu import group_cpu_seconds, processes  # noqa: E402
 from netns import Hosts, can_make_namespaces  # noqa: E402
 from raycluster import RayCluster, ray_env  # noqa: E402
 
 from pdserve.cli import ensure_model  # noqa: E402
 from pdserve.launcher import Instance  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def processes() -> dict[int, tuple[int, int, float]]:
-    """pid -> (parent, process group, CPU seconds so far)."""
-    out = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            fields = (Path("/proc") / pid / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[int(pid)] = (int(fields[1]), int(fields[2]), (int(fields[11]) + int(fields[12])) / TICK)
-    return out
-
-
 def idle_cpu(groups: dict[str, set[int]], seconds: float) -> dict[str, float]:
     """Percent of one core each named set of process groups used over `seconds`."""
-    def per_group(snapshot):
-        return {name: sum(cpu for _, pgid, cpu in snapshot.values() if pgid in pgids)
-                for name, pgids in groups.items()}
-    before, t0 = per_group(processes()), time.monotonic()
+    before, t0 = {name: group_cpu_seconds(pgids) for name, pgids in groups.items()}, time.monotonic()
     time.sleep(seconds)
-    after, wall = per_group(processes()), time.monotonic() - t0
-    return {name: round(100 * (after[name] - before[name]) / wall, 2) for name in groups}
+    wall = time.monotonic() - t0
+    return {name: round(100 * (group_cpu_seconds(pgids) - before[name]) / wall, 2)
+            for name, pgids in groups.items()}
 
 
 def children_groups(pid: int) -> set[int]:

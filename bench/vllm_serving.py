@@ -18,19 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from pdserve.cli import ensure_model  # noqa: E402
-from pdserve.launcher import Instance, _die_with_parent  # noqa: E402
+from pdserve.launcher import Instance, _die_with_parent, _health, stop_group  # noqa: E402
 
 KV_CONFIG = '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}'
 
@@ -57,25 +55,13 @@ class Vllm:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode}; log: {self.log}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
+            if _health(self.url + "/health")[0] == 200:
+                return self
             time.sleep(1)
         raise TimeoutError(f"vLLM not healthy within {timeout_s:.0f} s; log: {self.log}")
 
     def stop(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(30)
-                return
-            except ProcessLookupError:
-                return
-            except subprocess.TimeoutExpired:
-                pass
+        stop_group(self.proc, 30)
 
 
 def sweep(targets: list[str], out: Path, workload: list[str]) -> dict:

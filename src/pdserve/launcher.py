@@ -82,10 +82,7 @@ class Instance:
 
     def signal(self, sig: int) -> None:
         if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+            signal_group(self.proc, sig)
 
     def kill(self) -> None:
         """Dies at once, with every process of its group (fault tests)."""
@@ -94,15 +91,27 @@ class Instance:
             self.proc.wait()
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM (graceful), then SIGKILL for whatever of the group is left."""
-        if self.proc is None:
-            return
-        self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        self.kill()
+        if self.proc is not None:
+            stop_group(self.proc, timeout_s)
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """`sig` to the process group `proc` leads (started with start_new_session)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """SIGTERM to the group (graceful), then SIGKILL for whatever of it is left."""
+    signal_group(proc, signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    signal_group(proc, signal.SIGKILL)
+    proc.wait()
 
 
 def split_cores(cores: list[int], num_instances: int) -> list[tuple[int, ...]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,7 @@ from pathlib import Path
 
 from netns import Hosts
 
-from pdserve.launcher import _die_with_parent
+from pdserve.launcher import _die_with_parent, stop_group
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -73,13 +72,7 @@ class RayCluster:
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                    proc.wait(20)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    pass
+            stop_group(proc, 20)
         shutil.rmtree(self.temp, ignore_errors=True)
 
     def __enter__(self) -> "RayCluster":

@@ -54,6 +54,13 @@ def _resources(text: str | None, flag: str) -> dict:
     return value
 
 
+def _check_counts(args, command: str) -> None:
+    try:
+        plan.check_counts(args.prefill, args.decode)
+    except ValueError as e:
+        raise SystemExit(f"{command}: --{e}") from None
+
+
 def local_address_towards(address: str) -> str:
     """This host's address on the route to `host:port` (a UDP connect sends nothing)."""
     host = address.removeprefix("ray://").rsplit(":", 1)[0].strip("[]")
@@ -102,8 +109,7 @@ class RayDeployment:
     def _actor(self, role: str):
         tp = self.args.prefill_tp if role == "prefill" else self.args.decode_tp
         threads = self.args.ray_threads_per_rank
-        resources = self.resources[role]
-        cls = self.ray.remote(InstanceActor).options(num_cpus=tp * threads, resources=resources,
+        cls = self.ray.remote(InstanceActor).options(num_cpus=tp * threads, resources=self.resources[role],
                                                      max_restarts=-1, max_task_retries=0)
         return cls.remote(role, self.model, tp, threads, shlex.split(self.args.instance_args), self.env)
 
@@ -174,10 +180,7 @@ class RayDeployment:
 
 def run_up(args, model: str) -> int:
     """`pdserve up --ray [ADDRESS]`: start, print the proxy URL, keep routing until Ctrl-C."""
-    try:
-        plan.check_counts(args.prefill, args.decode)
-    except ValueError as e:
-        raise SystemExit(f"pdserve up: --{e}") from None
+    _check_counts(args, "pdserve up")
     dep = RayDeployment(args, model)
 
     def describe():
@@ -197,10 +200,7 @@ def _registry(address: str | None):
 
 def run_scale(args) -> int:
     """`pdserve ray scale`: set the wanted counts, wait until that many serve."""
-    try:
-        plan.check_counts(args.prefill, args.decode)
-    except ValueError as e:
-        raise SystemExit(f"pdserve ray scale: --{e}") from None
+    _check_counts(args, "pdserve ray scale")
     ray, registry = _registry(args.address)
     wanted = ray.get(registry.scale.remote(args.prefill, args.decode))
     deadline = time.monotonic() + args.timeout_s

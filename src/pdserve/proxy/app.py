@@ -31,9 +31,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
     def upstream(url: str) -> Upstream:
         return Upstream(url, config.upstream_api_key, config.connect_timeout_s, config.request_timeout_s)
 
-    def upstreams(urls):
-        return [upstream(u) for u in urls]
-    router = Router(upstreams(config.prefill_urls), upstreams(config.decode_urls), config.probe_interval_s)
+    router = Router([upstream(u) for u in config.prefill_urls], [upstream(u) for u in config.decode_urls],
+                    config.probe_interval_s)
     metrics = ProxyMetrics()
     flow = PDFlow(router, metrics, config.upstream_protocol, config.max_wait_s,
                   DisaggPolicy(config.local_prefill_max_tokens, config.local_prefill_max_queue))

@@ -9,6 +9,7 @@ proxy pays it twice per request (bench/proxy_overhead.py). The rest of the proxy
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import aiohttp
@@ -25,6 +26,14 @@ def _encode(body: dict) -> bytes:
 
 class UpstreamError(RuntimeError):
     """The upstream could not be reached or broke the connection (the proxy answers 502)."""
+
+
+@contextlib.contextmanager
+def _failing_as_upstream_error(where: str):
+    try:
+        yield
+    except _FAILURES as e:
+        raise UpstreamError(f"{where}: {type(e).__name__}: {e}") from e
 
 
 class Reply:
@@ -53,17 +62,13 @@ class Stream:
 
     async def chunks(self):
         """The bytes as they arrive; a broken connection raises UpstreamError."""
-        try:
+        with _failing_as_upstream_error(self._where):
             async for chunk in self._resp.content.iter_any():
                 yield chunk
-        except _FAILURES as e:
-            raise UpstreamError(f"{self._where}: {type(e).__name__}: {e}") from e
 
     async def read(self) -> bytes:
-        try:
+        with _failing_as_upstream_error(self._where):
             return await self._resp.read()
-        except _FAILURES as e:
-            raise UpstreamError(f"{self._where}: {type(e).__name__}: {e}") from e
 
     async def close(self) -> None:
         if self._resp.content.at_eof():
@@ -92,12 +97,10 @@ class Upstream:
                        timeout_s: float | None = None) -> Reply:
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
         data = None if body is None else _encode(body)
-        try:
+        with _failing_as_upstream_error(self.url + path):
             async with self.session.request(method, self.url + path, data=data, timeout=timeout,
                                             headers={**(headers or {}), **_JSON} if data else headers) as r:
                 return Reply(r.status, await r.read())
-        except _FAILURES as e:
-            raise UpstreamError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
 
     async def post_json(self, path: str, body: dict, headers: dict) -> Reply:
         return await self._request("POST", path, body, headers)
@@ -106,10 +109,8 @@ class Upstream:
         return await self._request("GET", path, None, None, timeout_s)
 
     async def open_stream(self, path: str, body: dict, headers: dict) -> Stream:
-        try:
+        with _failing_as_upstream_error(self.url + path):
             resp = await self.session.post(self.url + path, data=_encode(body), headers={**headers, **_JSON})
-        except _FAILURES as e:
-            raise UpstreamError(f"{self.url}{path}: {type(e).__name__}: {e}") from e
         return Stream(resp, self.url + path)
 
     async def owner(self) -> str | None:
