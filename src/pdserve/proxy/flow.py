@@ -102,12 +102,12 @@ class PDFlow:
             self.metrics.requests.labels("prefill_only").inc()
             return await self._answer(self.router.prefill, path, body, headers, start)
         decision = LOCAL if not self.router.prefill.states else self.policy.decide(
-            prompt_tokens(body), self.router.decode.least_queued(), self.router.prefill.least_queued())
+            prompt_tokens(body), self.router.decode.least_prefilling(), self.router.prefill.least_queued())
         self.metrics.decisions.labels(decision).inc()
         headers["X-PD-Decision"] = decision
         if decision == LOCAL:  # decode prefills it itself
             self.metrics.requests.labels("decode_only").inc()
-            return await self._answer(self.router.decode, path, body, headers, start)
+            return await self._answer(self.router.decode, path, body, headers, start, prefills=True)
 
         p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         p_body["stream"] = False
@@ -144,28 +144,31 @@ class PDFlow:
 
     # --- legs -----------------------------------------------------------------------------------
 
-    async def _post(self, pool: Pool, path: str, body: dict, headers: dict) -> tuple[UpstreamState, Reply]:
+    async def _post(self, pool: Pool, path: str, body: dict, headers: dict,
+                    prefills: bool = False) -> tuple[UpstreamState, Reply]:
         """The first whole answer that is not a refusal."""
-        state, resp = await self._take(pool, lambda u: u.post_json(path, body, headers))
-        self._count(pool, state, -1)
+        state, resp = await self._take(pool, lambda u: u.post_json(path, body, headers), prefills)
+        self._count(pool, state, -1, prefills)
         return state, resp
 
-    async def _answer(self, pool: Pool, path: str, body: dict, headers: dict, start: float) -> Response:
-        """The client's answer from the first instance of the pool that takes the request."""
+    async def _answer(self, pool: Pool, path: str, body: dict, headers: dict, start: float,
+                      prefills: bool = False) -> Response:
+        """The client's answer from the first instance of the pool that takes the request
+        (`prefills`: the prompt is prefilled there, which counts until its first token)."""
         if not body.get("stream"):
-            _, resp = await self._post(pool, path, body, headers)
+            _, resp = await self._post(pool, path, body, headers, prefills)
             self.metrics.e2e.observe(time.monotonic() - start)
             return _passed_on(resp, headers)
-        state, resp = await self._take(pool, lambda u: u.open_stream(path, body, headers))
+        state, resp = await self._take(pool, lambda u: u.open_stream(path, body, headers), prefills)
         if resp.status_code != 200:
             detail = (await resp.read()).decode(errors="replace")
             await resp.close()
-            self._count(pool, state, -1)
+            self._count(pool, state, -1, prefills)
             return JSONResponse(error_body(resp.status_code, detail), status_code=resp.status_code, headers=headers)
-        return StreamingResponse(self._stream(pool, state, resp, start), media_type="text/event-stream",
+        return StreamingResponse(self._stream(pool, state, resp, start, prefills), media_type="text/event-stream",
                                  headers=headers)
 
-    async def _take(self, pool: Pool, send) -> tuple[UpstreamState, Reply | Stream]:
+    async def _take(self, pool: Pool, send, prefills: bool = False) -> tuple[UpstreamState, Reply | Stream]:
         """`send` to the pool's instances, best first, until one does not refuse. While every
         producer refuses (busy: its blocks are held for readers) the request waits, up to
         `max_wait_s`, as it would in a queue, holding nothing meanwhile; a decode leg does not wait
@@ -174,29 +177,29 @@ class PDFlow:
         pause = 0.1
         while True:
             try:
-                return await self._take_once(pool, send)
+                return await self._take_once(pool, send, prefills)
             except _NoTaker:
                 if time.monotonic() + pause > deadline:
                     raise
             await asyncio.sleep(pause)
             pause = min(1.0, pause * 2)
 
-    async def _take_once(self, pool: Pool, send) -> tuple[UpstreamState, Reply | Stream]:
+    async def _take_once(self, pool: Pool, send, prefills: bool) -> tuple[UpstreamState, Reply | Stream]:
         last, refused = EMPTY, False
         for i, state in enumerate(pool.candidates()):
             if i:
                 self.metrics.retries.labels(pool.role).inc()
-            self._count(pool, state, +1)
+            self._count(pool, state, +1, prefills)
             try:
                 resp = await send(state.upstream)
             except UpstreamError as e:
-                self._count(pool, state, -1)
+                self._count(pool, state, -1, prefills)
                 self._unreachable(pool, state, e)
                 last = str(e)
                 continue
             if _refused(pool, resp):
                 await resp.close()
-                self._count(pool, state, -1)
+                self._count(pool, state, -1, prefills)
                 self.metrics.upstream_requests.labels(pool.role, state.url, "refused").inc()
                 refused, last = True, f"{state.url} answered {resp.status_code}"
                 continue
@@ -204,13 +207,16 @@ class PDFlow:
             return state, resp
         raise _NoTaker(pool.role, refused, last)
 
-    async def _stream(self, pool: Pool, state: UpstreamState, resp: Stream, start: float):
+    async def _stream(self, pool: Pool, state: UpstreamState, resp: Stream, start: float, prefills: bool):
         try:
             async for chunk in relay(resp, pool.role, state.url, self.metrics, start):
+                if prefills and _carries_token(chunk):  # that prompt's prefill is done
+                    state.prefilling -= 1
+                    prefills = False
                 yield chunk
         finally:
             await resp.close()
-            self._count(pool, state, -1)
+            self._count(pool, state, -1, prefills)
 
     # --- bookkeeping ------------------------------------------------------------------------------
 
@@ -230,8 +236,10 @@ class PDFlow:
         self.metrics.upstream_errors.labels(pool.role).inc()
         self.metrics.upstream_requests.labels(pool.role, state.url, "unreachable").inc()
 
-    def _count(self, pool: Pool, state: UpstreamState, delta: int) -> None:
+    def _count(self, pool: Pool, state: UpstreamState, delta: int, prefills: bool = False) -> None:
         state.outstanding += delta
+        if prefills:
+            state.prefilling += delta
         self.metrics.outstanding.labels(pool.role, state.url).set(state.outstanding)
 
 
@@ -249,6 +257,13 @@ def _refused(pool: Pool, resp: Reply | Stream) -> bool:
     if pool.role == "decode":
         return resp.status_code == 503
     return resp.status_code >= 500 and resp.status_code != 504
+
+
+def _carries_token(chunk: bytes) -> bool:
+    """An SSE chunk with an event other than a chat stream's opening role delta (sent before the
+    prompt is prefilled) or the end."""
+    return any(e.startswith(b"data: ") and e != b"data: [DONE]" and b'"role"' not in e
+               for e in chunk.split(b"\n\n"))
 
 
 def _passed_on(resp: Reply, headers: dict) -> Response:

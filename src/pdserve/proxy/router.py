@@ -28,6 +28,8 @@ class UpstreamState:
     healthy: bool = True  # until a probe or a request says otherwise
     outstanding: int = 0  # requests this proxy has in flight there
     queued: int = 0  # waiting requests the instance reported (queue + waiting for KV)
+    waiting: int = 0  # ... of which waiting to be prefilled there
+    prefilling: int = 0  # prompts this proxy sent there to prefill that have no first token yet
     kv_usage: float = 0.0  # fraction of its KV blocks in use, as reported
     last_probe: float = 0.0
 
@@ -71,6 +73,14 @@ class Pool:
         what each reported waiting)."""
         return min((s.outstanding + s.queued for s in self.states if s.healthy), default=1 << 30)
 
+    def least_prefilling(self) -> int:
+        """The fewest prompts waiting to be prefilled on a healthy instance: what this proxy sent
+        there with no first token back yet, or what the instance reported waiting, whichever is more
+        (the report also counts other proxies' requests, but is up to a probe old). Streams an
+        instance is already generating are not counted: a decode instance with many of them may
+        still have time for a short prefill."""
+        return min((max(s.prefilling, s.waiting) for s in self.states if s.healthy), default=1 << 30)
+
     def mark_down(self, state: UpstreamState, reason: str) -> None:
         if state.healthy:
             logger.warning("%s instance %s is down: %s", self.role, state.url, reason)
@@ -85,7 +95,8 @@ class Pool:
             state.healthy = healthy
             state.last_probe = time.monotonic()
             if load:
-                state.queued = int(load.get("num_waiting", 0)) + int(load.get("num_waiting_for_remote_kv", 0))
+                state.waiting = int(load.get("num_waiting", 0))
+                state.queued = state.waiting + int(load.get("num_waiting_for_remote_kv", 0))
                 state.kv_usage = float(load.get("kv_cache_usage", 0.0))
         return {s.url: s.healthy for s in self.states}
 

@@ -1,0 +1,100 @@
+"""Conditional disaggregation inside the proxy's flow, on fake instances (no processes): what counts
+as decode's prefill queue. Streams decode is already generating are not a queue; local prefills
+that have not produced their first token are."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from pdserve.proxy.decision import DisaggPolicy
+from pdserve.proxy.flow import PDFlow
+from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.router import Router
+from pdserve.proxy.upstream import Reply
+
+KV = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_block_ids": [0]}
+
+
+class FakeStream:
+    """A decode answer: the first event comes at once for a transferred prompt and after `gate`
+    for a prompt decode prefills itself; the rest after `done`."""
+
+    def __init__(self, first_now: bool, chat: bool, gate: asyncio.Event, done: asyncio.Event):
+        self.status_code = 200
+        self.first_now, self.chat, self.gate, self.done = first_now, chat, gate, done
+
+    async def chunks(self):
+        if self.chat:  # a chat stream opens with the role, before its prompt is prefilled
+            yield b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
+        if not self.first_now:
+            await self.gate.wait()
+        yield b'data: {"choices": [{"text": "a"}]}\n\n'
+        await self.done.wait()
+        yield b"data: [DONE]\n\n"
+
+    async def close(self) -> None:
+        pass
+
+
+class FakeInstance:
+    def __init__(self, url: str):
+        self.url = url
+        self.gate, self.done = asyncio.Event(), asyncio.Event()
+        self.bodies: list[dict] = []
+
+    async def post_json(self, path, body, headers):  # a producer's answer
+        self.bodies.append(body)
+        return Reply(200, json.dumps({"choices": [{"text": "a", "finish_reason": None}],
+                                      "kv_transfer_params": KV}).encode())
+
+    async def open_stream(self, path, body, headers):
+        self.bodies.append(body)
+        return FakeStream("kv_transfer_params" in body, "messages" in body, self.gate, self.done)
+
+    async def close(self) -> None:
+        pass
+
+
+async def _never_gone() -> bool:
+    return False
+
+
+def test_running_streams_are_not_a_queue_but_pending_local_prefills_are():
+    async def main():
+        prefill, decode = FakeInstance("http://p"), FakeInstance("http://d")
+        flow = PDFlow(Router([prefill], [decode]), ProxyMetrics(), protocol="pdserve",
+                      policy=DisaggPolicy(local_max_tokens=256, decode_queue_max=2))
+        streams = []
+
+        async def request(n_tokens: int, i: int, chat: bool = False) -> str:
+            body = {"prompt": list(range(1, n_tokens + 1)), "max_tokens": 8, "stream": True}
+            if chat:
+                body = {"messages": [{"role": "user", "content": "w" * 4 * n_tokens}], "stream": True}
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            response = await flow.handle(json.dumps(body).encode(), path, f"r{i}", _never_gone)
+            it = response.body_iterator
+            streams.append(asyncio.ensure_future(_drain(it)))
+            await asyncio.sleep(0.01)  # the first event, if it comes at once
+            return response.headers["X-PD-Decision"]
+
+        # ten long prompts: remote, and decode generates them (their first tokens came at once)
+        assert [await request(1000, i) for i in range(10)] == ["remote"] * 10
+        # decode runs ten streams and prefills nothing: a short prompt is prefilled there
+        assert await request(100, 10) == "local"
+        assert await request(100, 11) == "local"
+        assert await request(100, 12, chat=True) == "local"  # its role arrives, its token does not
+        assert await request(100, 13) == "remote"  # three local prefills pending: decode is busy
+        decode.gate.set()  # their first tokens come
+        await asyncio.sleep(0.01)
+        assert await request(100, 14) == "local"
+        decode.done.set()
+        await asyncio.gather(*streams)
+        assert flow.router.decode.states[0].prefilling == 0
+        assert flow.router.decode.states[0].outstanding == 0
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+async def _drain(it) -> None:
+    async for _ in it:
+        pass
