@@ -49,6 +49,9 @@ def test_bench_sweep_starts_deployments_and_plots(tiny_model, tmp_path):
     assert [(x["target"], x["request_rate"]) for x in summary["runs"]] == \
         [("pd", 4.0), ("pd", 16.0), ("colocated", 4.0), ("colocated", 16.0)]
     assert all(x["completed"] == 12 for x in summary["runs"])
+    # each rate sends new prompts (the same ones again would be served from the prefix cache),
+    # and every target gets the same ones at a rate
+    assert [x["seed"] for x in summary["runs"]] == [5, 6, 5, 6]
     assert "| pd | 4.0 |" in (tmp_path / "sweep.md").read_text()
     for png in ("ttft.png", "itl.png", "goodput.png", "itl_cdf.png"):
         assert (tmp_path / png).stat().st_size > 5000, png

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -66,14 +67,15 @@ def first_model(base_url: str, api_key: str | None) -> str | None:
         return None
 
 
-def benchmark(base_url: str, args, request_rate: float | None = None) -> dict:
-    """Run one workload at one rate; the result in vLLM's field names."""
+def benchmark(base_url: str, args, request_rate: float | None = None, seed: int | None = None) -> dict:
+    """Run one workload at one rate; the result in vLLM's field names (`seed` replaces --seed)."""
     rate = args.request_rate if request_rate is None else request_rate
+    seed = args.seed if seed is None else seed
     model = args.model or first_model(base_url, args.api_key)
-    requests = datasets.make(dataset_args(args))
+    requests = datasets.make(dataclasses.replace(dataset_args(args), seed=seed))
     cpu_start = time.process_time()
     results, duration = asyncio.run(client.run(
-        base_url, args.endpoint, requests, model, rate, args.burstiness, args.max_concurrency, args.seed,
+        base_url, args.endpoint, requests, model, rate, args.burstiness, args.max_concurrency, seed,
         args.api_key, progress=not args.disable_tqdm))
     percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
     out = stats.summarize(results, duration, stats.parse_goodput(args.goodput), percentiles)
@@ -82,7 +84,7 @@ def benchmark(base_url: str, args, request_rate: float | None = None) -> dict:
     out.update({"date": dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "base_url": base_url,
                 "model_id": model, "num_prompts": len(requests), "dataset_name": args.dataset_name,
                 "request_rate": rate if math.isfinite(rate) else "inf", "burstiness": args.burstiness,
-                "max_concurrency": args.max_concurrency, "goodput_slos_ms": {
+                "max_concurrency": args.max_concurrency, "seed": seed, "goodput_slos_ms": {
                     k: v * 1000 for k, v in stats.parse_goodput(args.goodput).items()}})
     return out
 

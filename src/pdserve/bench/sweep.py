@@ -3,7 +3,8 @@ with plots and a table.
 
 Benchmark client process. A target is `NAME=URL`, or `NAME=up MODEL [flags]` / `NAME=serve MODEL
 [flags]`: a `pdserve up` or `pdserve serve` this command starts (on the cores its flags give),
-warms up, sweeps, and stops. Writes sweep.json, sweep.md and PNGs (TTFT and ITL p50/p99 against
+warms up, sweeps, and stops. Each rate sends new prompts (`--seed` + the rate's index; the same prompts
+again would be served from the prefix cache), the same ones to every target. Writes sweep.json, sweep.md and PNGs (TTFT and ITL p50/p99 against
 rate, goodput against rate, the ITL CDF at one rate) into `--result-dir`.
 """
 
@@ -83,8 +84,8 @@ def main(args) -> int:
         name, what = parse_target(spec)
         with Target(name, what, log_dir) as target:
             warm_up(target.url, args)
-            for rate in rates:
-                r = serve.benchmark(target.url, args, rate)
+            for i, rate in enumerate(rates):  # new prompts at each rate: none is in a prefix cache
+                r = serve.benchmark(target.url, args, rate, seed=args.seed + i)
                 r["target"] = name
                 print(f"{name} at {rate:g} req/s: goodput {r.get('request_goodput', 0):.2f} req/s, "
                       f"TTFT p50 {r['median_ttft_ms']:.0f} ms, ITL p99 {r['p99_itl_ms']:.0f} ms, "
