@@ -3,9 +3,10 @@ with plots and a table.
 
 Benchmark client process. A target is `NAME=URL`, or `NAME=up MODEL [flags]` / `NAME=serve MODEL
 [flags]`: a `pdserve up` or `pdserve serve` this command starts (on the cores its flags give),
-warms up, sweeps, and stops. Each rate sends new prompts (`--seed` + the rate's index; the same prompts
-again would be served from the prefix cache), the same ones to every target. Writes sweep.json, sweep.md and PNGs (TTFT and ITL p50/p99 against
-rate, goodput against rate, the ITL CDF at one rate) into `--result-dir`.
+warms up, sweeps, and stops. Each rate sends new prompts (`--seed` plus the rate's index: the same
+prompts again would be served from the prefix cache), and every target gets the same ones. Writes
+sweep.json, sweep.md and PNGs (TTFT and ITL p50/p99 against rate, goodput against rate, the ITL CDF
+at one rate) into `--result-dir`.
 """
 
 from __future__ import annotations
