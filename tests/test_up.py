@@ -24,6 +24,7 @@ def _children_alive(pids: list[int]) -> list[int]:
 def test_up_answers_then_stops_everything(tiny_model, tmp_path):
     cmd = [sys.executable, "-m", "pdserve.cli", "up", tiny_model, "--port", "0",
            "--log-dir", str(tmp_path), "--instance-args", "--num-blocks 128",
+           "--decode-args", "--max-num-batched-tokens 64",
            "--ask", "The prefill server sends", "--max-tokens", "8"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -46,6 +47,8 @@ def test_up_answers_then_stops_everything(tiny_model, tmp_path):
             if pid:
                 pids.append(pid)
                 cpus[role] = Path(f"/proc/{pid}/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
+                argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+                assert ("--max-num-batched-tokens" in argv) == (role == "decode"), (role, argv)  # --decode-args
         if os.cpu_count() >= 2:
             assert cpus["prefill"] != cpus["decode"], cpus
         proc.send_signal(signal.SIGINT)  # Ctrl-C

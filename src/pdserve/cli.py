@@ -277,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit", action="store_true", help="stop everything after answering --ask")
     p.add_argument("--log-dir", default=None, help="instance logs (default: a temporary directory)")
     p.add_argument("--instance-args", default="", help="extra arguments for every `pdserve serve`")
+    p.add_argument("--prefill-args", default="", help="extra arguments for prefill instances only (after "
+                   "--instance-args)")
+    p.add_argument("--decode-args", default="", help="extra arguments for decode instances only, e.g. "
+                   "\"--max-num-batched-tokens 64\" to bound what a local prefill adds to a step")
     p.add_argument("--port-file", default=None, help="write the proxy's bound port here as JSON")
     p.add_argument("--proxy-args", default="", help="extra arguments for `pdserve proxy`")
     p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",

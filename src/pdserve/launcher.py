@@ -133,7 +133,7 @@ class Deployment:
                  prefill_cpus: list[tuple[int, ...]] | None = None,
                  decode_cpus: list[tuple[int, ...]] | None = None,
                  log_dir: str | None = None, env: dict | None = None, proxy_args: list[str] | None = None,
-                 proxy_host: str = "127.0.0.1"):
+                 proxy_host: str = "127.0.0.1", role_args: dict[str, list[str]] | None = None):
         cores = sorted(os.sched_getaffinity(0))
         shares = split_cores(cores, len(prefill_tp) + len(decode_tp))
         prefill_cpus = prefill_cpus or shares[:len(prefill_tp)]
@@ -149,7 +149,8 @@ class Deployment:
             for tp, cpu in zip(tps, cpus):
                 threads = max(1, len(cpu) // tp)
                 args = ["serve", model, "--port", "0", "--tensor-parallel-size", str(tp),
-                        "--num-threads", str(threads), "--cpus", ",".join(map(str, cpu)), *extra]
+                        "--num-threads", str(threads), "--cpus", ",".join(map(str, cpu)), *extra,
+                        *(role_args or {}).get(role, [])]
                 self.instances.append(Instance(role, args, cpu))
         self.proxy_port = proxy_port
         self.proxy_host = proxy_host
@@ -224,7 +225,8 @@ def run_up(args) -> int:
     dep = Deployment(args.model, [args.prefill_tp] * args.prefill, [args.decode_tp] * args.decode,
                      instance_args=shlex.split(args.instance_args), proxy_port=args.port,
                      prefill_cpus=cpu_list(args.prefill_cpus), decode_cpus=cpu_list(args.decode_cpus),
-                     log_dir=args.log_dir, proxy_args=shlex.split(args.proxy_args), proxy_host=args.host)
+                     log_dir=args.log_dir, proxy_args=shlex.split(args.proxy_args), proxy_host=args.host,
+                     role_args={"prefill": shlex.split(args.prefill_args), "decode": shlex.split(args.decode_args)})
 
     def describe():
         for inst in dep.instances:

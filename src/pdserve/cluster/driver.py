@@ -111,7 +111,8 @@ class RayDeployment:
         threads = self.args.ray_threads_per_rank
         cls = self.ray.remote(InstanceActor).options(num_cpus=tp * threads, resources=self.resources[role],
                                                      max_restarts=-1, max_task_retries=0)
-        return cls.remote(role, self.model, tp, threads, shlex.split(self.args.instance_args), self.env)
+        args = shlex.split(self.args.instance_args) + shlex.split(getattr(self.args, f"{role}_args"))
+        return cls.remote(role, self.model, tp, threads, args, self.env)
 
     def reconcile(self, wait_s: float = 1.0) -> dict:
         """One round (about `wait_s`): start or stop actors to the wanted counts, hear from every
