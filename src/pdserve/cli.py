@@ -249,8 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-body-bytes", type=int, default=8 << 20, help="larger bodies get a 413")
     p.add_argument("--local-prefill-max-tokens", type=int, default=0,
                    help="conditional disaggregation: prompts up to this many tokens prefill on decode "
-                        "while its queue is short (0: every prompt prefills on a producer)")
-    p.add_argument("--local-prefill-max-queue", type=int, default=2)
+                        "while few wait to be prefilled there (0: every prompt prefills on a producer); "
+                        "give decode instances a small --max-num-batched-tokens (e.g. 64) so a local "
+                        "prefill adds little to each step of the streams decode is running")
+    p.add_argument("--local-prefill-max-queue", type=int, default=2,
+                   help="... while at most this many prompts wait to be prefilled on decode")
     p.add_argument("--max-wait-s", type=float, default=30.0,
                    help="how long a request waits while every prefill instance is busy, then 503")
     p.add_argument("--probe-interval-s", type=float, default=1.0,

@@ -28,6 +28,7 @@ def test_bench_serve_against_pdserve_up(tiny_model, tmp_path):
         assert "Serving Benchmark Result" in r.stdout and "Request goodput" in r.stdout
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["completed"] == 12 and out["failed"] == 0 and out["model_id"] == "tiny"
+    assert out["pd_decisions"] == {"remote": 12}  # the proxy's label on each request (X-PD-Decision)
     from pdserve.bench.datasets import DatasetArgs, make  # the lengths the workload asked for
     asked = make(DatasetArgs(name="mixed", num_prompts=12, input_len=32, long_len=400, output_len=8, seed=5))
     assert out["output_lens"] == [r.output_len for r in asked] and out["input_lens"] == [r.prompt_len for r in asked]

@@ -41,3 +41,10 @@ def test_goodput_counts_requests_meeting_every_slo():
         assert key in out
     with pytest.raises(ValueError):
         parse_goodput(["latency:5"])
+
+
+def test_pd_decisions_are_counted_when_a_proxy_labels_requests():
+    done = [RequestResult(8, output_len=2, ttft=0.1, itls=[0.05], e2el=0.2, success=True, pd_decision=d)
+            for d in ("local", "remote", "local")]
+    assert summarize(done, 1.0)["pd_decisions"] == {"local": 2, "remote": 1}
+    assert "pd_decisions" not in summarize([RequestResult(8, success=True)], 1.0)  # not a pdserve proxy

@@ -53,6 +53,7 @@ async def send(client: httpx.AsyncClient, endpoint: str, req: BenchRequest, mode
             if r.status_code != 200:
                 detail = (await r.aread()).decode(errors="replace")[:300]
                 return RequestResult(req.prompt_len, start=start - t0, error=f"{r.status_code}: {detail}")
+            decision = r.headers.get("X-PD-Decision")
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -73,6 +74,7 @@ async def send(client: httpx.AsyncClient, endpoint: str, req: BenchRequest, mode
     result = chunk_times_to_result(req.prompt_len, start, times, time.perf_counter(), output_len or len(times))
     result.start = start - t0
     result.generated_text = "".join(text)
+    result.pd_decision = decision
     return result
 
 

@@ -25,6 +25,7 @@ class RequestResult:
     error: str = ""
     start: float = 0.0  # seconds since the run began
     generated_text: str = ""
+    pd_decision: str | None = None  # where a pdserve proxy had it prefilled (X-PD-Decision)
 
     @property
     def tpot(self) -> float | None:
@@ -104,4 +105,7 @@ def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, f
     out["ttfts"] = [r.ttft for r in results]
     out["itls"] = [r.itls for r in results]
     out["errors"] = [r.error for r in results]
+    decisions = [r.pd_decision for r in results if r.pd_decision]
+    if decisions:  # a pdserve proxy said where each prompt was prefilled
+        out["pd_decisions"] = {d: decisions.count(d) for d in sorted(set(decisions))}
     return out

@@ -116,14 +116,19 @@ def _p99(xs: list[float]) -> float:
 
 def table(summary: dict) -> str:
     slos = ", ".join(f"{k} ≤ {v:g} ms" for k, v in summary["goodput_slos_ms"].items()) or "none"
+    local = any(r.get("pd_decisions", {}).get("local") for r in summary["runs"])
     lines = [f"Goodput counts requests meeting every SLO ({slos}).", "",
              "| target | rate req/s | completed | goodput req/s (share) | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-             "max ITL p99 ms | TPOT p50 ms |", "|---|---|---|---|---|---|---|---|"]
+             "max ITL p99 ms | TPOT p50 ms |" + (" prefilled on decode |" if local else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if local else "")]
     for r in summary["runs"]:
+        decisions = r.get("pd_decisions") or {}
         lines.append(f"| {r['target']} | {r['request_rate']} | {r['completed']} | "
                      f"{r.get('request_goodput', 0):.2f} ({r.get('goodput_fraction', 0):.0%}) | "
                      f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['median_itl_ms']:.0f} / "
-                     f"{r['p99_itl_ms']:.0f} | {r['p99_max_itl_per_request_ms']:.0f} | {r['median_tpot_ms']:.0f} |")
+                     f"{r['p99_itl_ms']:.0f} | {r['p99_max_itl_per_request_ms']:.0f} | {r['median_tpot_ms']:.0f} |"
+                     + (f" {decisions.get('local', 0)} of {sum(decisions.values())} |" if local and decisions
+                        else " – |" if local else ""))
     return "\n".join(lines)
 
 
