@@ -26,8 +26,10 @@ def test_up_answers_then_stops_everything(tiny_model, tmp_path):
            "--log-dir", str(tmp_path), "--instance-args", "--num-blocks 128",
            "--decode-args", "--max-num-batched-tokens 64",
            "--ask", "The prefill server sends", "--max-tokens", "8"]
+    # as in a terminal, Ctrl-C is not ignored (a test run started in the background of a
+    # non-interactive shell inherits SIGINT ignored, and so would `pdserve up`)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_sigint_default)
     lines, pids = [], []
     try:
         deadline = time.monotonic() + 120
@@ -63,6 +65,10 @@ def test_up_answers_then_stops_everything(tiny_model, tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _logs(log_dir: Path) -> str:
