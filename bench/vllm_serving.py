@@ -8,7 +8,8 @@ serving sweep's mixed workload at a few rates, goodput side by side.
 vLLM's P/D: two `vllm.entrypoints.openai.api_server` with NixlConnector and `kv_buffer_device:
 cpu`, prefill on core 0 and decode on core 1, behind `pdserve proxy --upstream-protocol vllm`.
 vLLM colocated: one server on both cores. pdserve: `pdserve up` 1P1D on the same cores, plain and
-conditional (short prompts prefilled on decode), and one `pdserve serve` with 2 threads. vLLM's CPU workers spin while idle, so each arrangement runs alone.
+conditional (short prompts prefilled on decode), and one `pdserve serve` with 2 threads. vLLM's CPU
+workers spin while idle, so each arrangement runs alone.
 vLLM cannot report a port it bound itself: it takes the fixed `--vllm-port` (HTTP, +1 for the
 decode instance) and `--vllm-side-channel-port` (NIXL side channel, +1 likewise).
 """
