@@ -39,8 +39,9 @@ def processes() -> dict[int, tuple[int, int, float]]:
     return out
 
 
-def group_cpu_seconds(pgids: set[int]) -> float:
-    return sum(cpu for _, pgid, cpu in processes().values() if pgid in pgids)
+def group_cpu_seconds(pgids: set[int], snapshot: dict | None = None) -> float:
+    """CPU seconds of these process groups, from `snapshot` (a `processes()`) or read now."""
+    return sum(cpu for _, pgid, cpu in (processes() if snapshot is None else snapshot).values() if pgid in pgids)
 
 
 def main() -> int:

@@ -34,10 +34,10 @@ from pdserve.launcher import Instance  # noqa: E402
 
 def idle_cpu(groups: dict[str, set[int]], seconds: float) -> dict[str, float]:
     """Percent of one core each named set of process groups used over `seconds`."""
-    before, t0 = {name: group_cpu_seconds(pgids) for name, pgids in groups.items()}, time.monotonic()
+    before, t0 = processes(), time.monotonic()  # one snapshot of /proc at each end, for every group
     time.sleep(seconds)
-    wall = time.monotonic() - t0
-    return {name: round(100 * (group_cpu_seconds(pgids) - before[name]) / wall, 2)
+    after, wall = processes(), time.monotonic() - t0
+    return {name: round(100 * (group_cpu_seconds(pgids, after) - group_cpu_seconds(pgids, before)) / wall, 2)
             for name, pgids in groups.items()}
 
 

@@ -122,13 +122,14 @@ def table(summary: dict) -> str:
              "max ITL p99 ms | TPOT p50 ms |" + (" prefilled on decode |" if local else ""),
              "|---|---|---|---|---|---|---|---|" + ("---|" if local else "")]
     for r in summary["runs"]:
-        decisions = r.get("pd_decisions") or {}
-        lines.append(f"| {r['target']} | {r['request_rate']} | {r['completed']} | "
-                     f"{r.get('request_goodput', 0):.2f} ({r.get('goodput_fraction', 0):.0%}) | "
-                     f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['median_itl_ms']:.0f} / "
-                     f"{r['p99_itl_ms']:.0f} | {r['p99_max_itl_per_request_ms']:.0f} | {r['median_tpot_ms']:.0f} |"
-                     + (f" {decisions.get('local', 0)} of {sum(decisions.values())} |" if local and decisions
-                        else " – |" if local else ""))
+        row = (f"| {r['target']} | {r['request_rate']} | {r['completed']} | "
+               f"{r.get('request_goodput', 0):.2f} ({r.get('goodput_fraction', 0):.0%}) | "
+               f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['median_itl_ms']:.0f} / "
+               f"{r['p99_itl_ms']:.0f} | {r['p99_max_itl_per_request_ms']:.0f} | {r['median_tpot_ms']:.0f} |")
+        if local:
+            decisions = r.get("pd_decisions")
+            row += f" {decisions.get('local', 0)} of {sum(decisions.values())} |" if decisions else " – |"
+        lines.append(row)
     return "\n".join(lines)
 
 
