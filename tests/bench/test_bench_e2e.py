@@ -38,6 +38,8 @@ def test_bench_serve_against_pdserve_up(tiny_model, tmp_path):
                 "output_lens", "ttfts", "itls", "errors", "request_rate", "burstiness"):
         assert key in out, key
     assert [len(gaps) for gaps in out["itls"]] == [r.output_len - 1 for r in asked]  # a chunk per token
+    # the client's longest collection pause (its start-up heap frozen): timed, and far below the run
+    assert 0 < out["client_gc_pause_max_ms"] < 1000 * out["duration"]
 
 
 def test_bench_sweep_starts_deployments_and_plots(tiny_model, tmp_path):

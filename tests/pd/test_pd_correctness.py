@@ -116,6 +116,13 @@ def test_one_handshake_per_producer_and_no_leak(pd):
         s = wait_idle(inst)
         assert s["num_free_blocks"] == s["num_blocks"], (inst.role, s)
     assert stats(prefill)["kv_transfer"]["leases_active"] == 0
+    for inst in (prefill, decode):  # every TP rank froze its start-up heap (test_proxy.py says why)
+        frozen = get_json(inst.url + "/debug/gc_frozen")["ranks"]
+        assert len(frozen) == inst_tp(pd, inst) and min(frozen) > 10_000, (inst.role, frozen)
+
+
+def inst_tp(pd, inst) -> int:
+    return pd.p_tp if inst in pd.prefill else pd.d_tp
 
 
 def test_logprobs_through_the_proxy(pd):

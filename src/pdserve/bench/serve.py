@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench import client, datasets, stats
+from pdserve.heap import PauseTimer, freeze_startup_heap
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,14 +74,20 @@ def benchmark(base_url: str, args, request_rate: float | None = None, seed: int 
     seed = args.seed if seed is None else seed
     model = args.model or first_model(base_url, args.api_key)
     requests = datasets.make(dataclasses.replace(dataset_args(args), seed=seed))
+    freeze_startup_heap()  # a collection pausing the client would show as the server's latency
+    collections = PauseTimer().install()
     cpu_start = time.process_time()
-    results, duration = asyncio.run(client.run(
-        base_url, args.endpoint, requests, model, rate, args.burstiness, args.max_concurrency, seed,
-        args.api_key, progress=not args.disable_tqdm))
+    try:
+        results, duration = asyncio.run(client.run(
+            base_url, args.endpoint, requests, model, rate, args.burstiness, args.max_concurrency, seed,
+            args.api_key, progress=not args.disable_tqdm))
+    finally:
+        collections.uninstall()
     percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
     out = stats.summarize(results, duration, stats.parse_goodput(args.goodput), percentiles)
     cpu = time.process_time() - cpu_start  # must stay well below one core, or the client is the limit
-    out.update({"client_cpu_seconds": cpu, "client_cpu_share": cpu / duration if duration else 0.0})
+    out.update({"client_cpu_seconds": cpu, "client_cpu_share": cpu / duration if duration else 0.0,
+                "client_gc_pause_max_ms": max(collections.longest) * 1000})
     out.update({"date": dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "base_url": base_url,
                 "model_id": model, "num_prompts": len(requests), "dataset_name": args.dataset_name,
                 "request_rate": rate if math.isfinite(rate) else "inf", "burstiness": args.burstiness,

@@ -15,7 +15,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdserve.config import ProxyConfig
+from pdserve.heap import PauseTimer, freeze_startup_heap
 from pdserve.http.errors import APIError, install_handlers
+from pdserve.http.heap_metrics import HeapMetrics
 from pdserve.http.middleware import BodyLimit, RequestContext
 from pdserve.proxy.decision import DisaggPolicy
 from pdserve.proxy.flow import PDFlow
@@ -34,16 +36,21 @@ def create_app(config: ProxyConfig) -> FastAPI:
     router = Router([upstream(u) for u in config.prefill_urls], [upstream(u) for u in config.decode_urls],
                     config.probe_interval_s)
     metrics = ProxyMetrics()
+    collections = PauseTimer()
+    metrics.registry.register(HeapMetrics("pdserve_proxy", collections))
     flow = PDFlow(router, metrics, config.upstream_protocol, config.max_wait_s,
                   DisaggPolicy(config.local_prefill_max_tokens, config.local_prefill_max_queue))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         router.start()  # background probes: instances that come back rejoin by themselves
+        collections.install()
+        freeze_startup_heap()
         try:
             yield
         finally:
             await router.stop()
+            collections.uninstall()
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)
     app.add_middleware(RequestContext, api_key=config.api_key, log=False)

@@ -18,11 +18,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdserve.config import EngineConfig, ServerConfig
 from pdserve.engine.engine import OverloadedError
+from pdserve.heap import PauseTimer, freeze_startup_heap
 from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.model.generation_config import GenerationDefaults
 from pdserve.sampling_params import InvalidRequestError
 from pdserve.server.async_engine import AsyncEngine, EngineDeadError
 from pdserve.http.errors import APIError, install_handlers, validation_error
+from pdserve.http.heap_metrics import HeapMetrics
 from pdserve.server.metrics import ServerMetrics
 from pdserve.http.middleware import Admission, BodyLimit, RequestContext
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -36,19 +38,23 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     model_name = server.served_model_name or Path(engine_config.model).name
     engine = AsyncEngine(engine_config)
     metrics = ServerMetrics(model_name)
+    collections = PauseTimer()
+    metrics.registry.register(HeapMetrics("pdserve", collections))
     defaults = GenerationDefaults.from_dir(engine_config.model, server.generation_config)
     completions = CompletionServing(engine, model_name, metrics, defaults)
     chat = ChatServing(engine, model_name, metrics, defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        collections.install()
         starting = asyncio.create_task(engine.start())
-        starting.add_done_callback(_log_start)
+        starting.add_done_callback(_started)
         try:
             yield
         finally:  # uvicorn has stopped accepting and finished in-flight HTTP requests
             await engine.drain(server.drain_timeout_s)
             await engine.stop()
+            collections.uninstall()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.add_middleware(RequestContext, api_key=server.api_key)
@@ -137,10 +143,10 @@ def _require_ready(engine: AsyncEngine) -> None:
         raise APIError(503, "engine is " + (f"down: {engine.error}" if engine.error else "starting"))
 
 
-def _log_start(task: asyncio.Task) -> None:
+def _started(task: asyncio.Task) -> None:
     if task.cancelled():
         return
     if task.exception() is not None:
         logger.error("engine failed to start: %s", task.exception())
     else:
-        logger.info("engine ready")
+        logger.info("engine ready (%d start-up objects frozen)", freeze_startup_heap())

@@ -33,6 +33,11 @@ def add_debug_routes(app: FastAPI, engine: AsyncEngine) -> None:
         await engine.call(lambda e: e.executor.debug("perturb", body.block_ids, body.delta))
         return {"ok": True}
 
+    @app.get("/debug/gc_frozen")
+    async def gc_frozen():
+        results = await engine.call(lambda e: e.executor.debug("gc_frozen"))
+        return {"ranks": [r.value for r in results]}
+
     @app.get("/debug/loaded_peers")
     async def loaded_peers():
         results = await engine.call(lambda e: e.executor.debug("loaded_peers"))

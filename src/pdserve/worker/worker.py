@@ -7,6 +7,7 @@ executor. A rank executes exactly what the engine's `StepInput` says and reports
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ import msgspec
 import torch
 
 from pdserve.config import EngineConfig, KVTransferConfig
+from pdserve.heap import freeze_startup_heap
 from pdserve.model.loader import load_model
 from pdserve.model.parallel import TPGroup, make_group
 from pdserve.model.spec import ModelSpec, resolve_dtype
@@ -96,6 +98,8 @@ class Worker:
                 blocks = torch.tensor(call.args[0], dtype=torch.long)
                 self.kv_cache.buffer[:, :, blocks] += float(call.args[1])
             return DebugResult(self.rank)
+        if call.name == "gc_frozen":
+            return DebugResult(self.rank, gc.get_freeze_count())
         if call.name == "loaded_peers":
             return DebugResult(self.rank, self.connector.loaded_peers() if self.connector else [])
         return DebugResult(self.rank, error=f"unknown debug call {call.name!r}")
@@ -145,6 +149,7 @@ def rank_main(config: EngineConfig, rank: int, num_blocks: int, engine_id: str, 
         conn.send_bytes(_encoder.encode(RankReady(rank, error=traceback.format_exc())))
         sys.exit(1)
     conn.send_bytes(_encoder.encode(RankReady(rank, agent=worker.rank_agent())))
+    freeze_startup_heap()
     try:
         while True:
             try:
