@@ -40,6 +40,7 @@ def test_bench_serve_against_pdserve_up(tiny_model, tmp_path):
     assert [len(gaps) for gaps in out["itls"]] == [r.output_len - 1 for r in asked]  # a chunk per token
     # the client's longest collection pause (its start-up heap frozen): timed, and far below the run
     assert 0 < out["client_gc_pause_max_ms"] < 1000 * out["duration"]
+    assert out["background_busy_cores"] >= 0  # sampled before the run (bench/machine.py)
 
 
 def test_bench_sweep_starts_deployments_and_plots(tiny_model, tmp_path):

@@ -20,3 +20,13 @@ def test_local_prefills_get_a_column_only_when_there_are_any():
     rows = table(cond).splitlines()
     assert rows[2].endswith("prefilled on decode |")
     assert rows[4].endswith("| 0 of 10 |") and rows[5].endswith("| 7 of 10 |") and rows[6].endswith("| – |")
+
+
+def test_runs_started_on_a_busy_machine_are_named():
+    runs = [{**RUN, "target": "pd", "background_busy_cores": 0.02},
+            {**RUN, "target": "colocated", "background_busy_cores": 0.6},
+            {**RUN, "target": "old", "background_busy_cores": None}]
+    text = table({"goodput_slos_ms": {}, "runs": runs})
+    assert text.splitlines()[-1] == "Not comparable: other work kept the machine busy before colocated " \
+                                    "at 1.0 req/s (0.60 cores)."
+    assert "Not comparable" not in table({"goodput_slos_ms": {}, "runs": runs[:1]})

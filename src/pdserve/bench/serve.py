@@ -14,12 +14,13 @@ import datetime as dt
 import json
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from pdserve.bench import client, datasets, stats
+from pdserve.bench import client, datasets, machine, stats
 from pdserve.heap import PauseTimer, freeze_startup_heap
 
 
@@ -75,6 +76,10 @@ def benchmark(base_url: str, args, request_rate: float | None = None, seed: int 
     model = args.model or first_model(base_url, args.api_key)
     requests = datasets.make(dataclasses.replace(dataset_args(args), seed=seed))
     freeze_startup_heap()  # a collection pausing the client would show as the server's latency
+    background = machine.busy_cores(1.0)  # the target is idle now: anything busy is someone else
+    if background is not None and background > machine.BUSY_WARNING_CORES:
+        print(f"warning: before this run the machine was already {background:.2f} cores busy; another "
+              "process competes with the target, so these numbers are not comparable", file=sys.stderr)
     collections = PauseTimer().install()
     cpu_start = time.process_time()
     try:
@@ -87,7 +92,7 @@ def benchmark(base_url: str, args, request_rate: float | None = None, seed: int 
     out = stats.summarize(results, duration, stats.parse_goodput(args.goodput), percentiles)
     cpu = time.process_time() - cpu_start  # must stay well below one core, or the client is the limit
     out.update({"client_cpu_seconds": cpu, "client_cpu_share": cpu / duration if duration else 0.0,
-                "client_gc_pause_max_ms": max(collections.longest) * 1000})
+                "client_gc_pause_max_ms": max(collections.longest) * 1000, "background_busy_cores": background})
     out.update({"date": dt.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai", "base_url": base_url,
                 "model_id": model, "num_prompts": len(requests), "dataset_name": args.dataset_name,
                 "request_rate": rate if math.isfinite(rate) else "inf", "burstiness": args.burstiness,

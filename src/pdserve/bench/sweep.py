@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench import serve
+from pdserve.bench.machine import BUSY_WARNING_CORES
 from pdserve.launcher import Instance
 
 
@@ -130,6 +131,10 @@ def table(summary: dict) -> str:
             decisions = r.get("pd_decisions")
             row += f" {decisions.get('local', 0)} of {sum(decisions.values())} |" if decisions else " – |"
         lines.append(row)
+    busy = [f"{r['target']} at {r['request_rate']} req/s ({r['background_busy_cores']:.2f} cores)"
+            for r in summary["runs"] if (r.get("background_busy_cores") or 0) > BUSY_WARNING_CORES]
+    if busy:
+        lines += ["", "Not comparable: other work kept the machine busy before " + ", ".join(busy) + "."]
     return "\n".join(lines)
 
 
