@@ -70,9 +70,10 @@ INSTANCE_ARGS = ["--num-blocks", str(NUM_BLOCKS), "--enable-debug-endpoints",
                  "--kv-handshake-timeout-s", "5"]
 
 
-def start_deployment(model: str, p_tp: int, d_tp: int, log_dir, extra: list[str] = ()):
+def start_deployment(model: str, p_tp: int, d_tp: int, log_dir, extra: list[str] = (),
+                     proxy_args: list[str] = ()):
     """Prefill + decode + proxy processes (real NIXL), the way `pdserve up` starts them."""
     from pdserve.launcher import Deployment
     dep = Deployment(model, [p_tp], [d_tp], instance_args=[*INSTANCE_ARGS, *extra],
-                     log_dir=str(log_dir))
+                     log_dir=str(log_dir), proxy_args=list(proxy_args))
     return dep.start(timeout_s=120)
