@@ -7,6 +7,7 @@ step where the reference's top-2 logit gap is below 1e-4, and tests report how o
 from __future__ import annotations
 
 import dataclasses
+import random
 import shutil
 from pathlib import Path
 
@@ -136,3 +137,9 @@ def write_hf_checkpoint(kind: str, out: Path, tokenizer_dir: Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(tokenizer_dir / name, out / name)
     return out
+
+
+def ids(n: int, seed: int) -> list[int]:
+    """A prompt of n token ids: BOS, then seeded ids every generated test model knows."""
+    rng = random.Random(seed)
+    return [1] + [rng.randrange(7, 1000) for _ in range(n - 1)]

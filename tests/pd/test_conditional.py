@@ -6,12 +6,11 @@ decode READs it. Either way the answer is transformers' and each response says w
 from __future__ import annotations
 
 import json
-import random
 
 import httpx
 import pytest
 
-from helpers import assert_greedy_match, hf_reference
+from helpers import assert_greedy_match, hf_reference, ids
 from servers import metric, start_deployment, wait_idle
 
 LOCAL_MAX = 64
@@ -26,11 +25,6 @@ def pd(tiny_model, tmp_path_factory):
     dep.model = tiny_model
     yield dep
     dep.stop()
-
-
-def ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [1] + [rng.randrange(7, 1000) for _ in range(n - 1)]
 
 
 def _counters(decode) -> tuple[float, float]:

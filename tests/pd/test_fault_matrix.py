@@ -5,7 +5,6 @@ free blocks return to idle."""
 from __future__ import annotations
 
 import json
-import random
 import signal
 import socket
 import threading
@@ -14,17 +13,12 @@ import time
 import httpx
 import pytest
 
-from helpers import assert_greedy_match, hf_reference
+from helpers import assert_greedy_match, hf_reference, ids
 from pdserve.launcher import Instance
 from servers import get_json, metric, post_json, start_server, stats, wait_idle
 
 SECRET = {"PDSERVE_KV_SECRET": "fault-matrix-secret"}
 FAST = ["--kv-handshake-timeout-s", "3", "--kv-transfer-timeout-s", "2", "--drain-timeout-s", "20"]
-
-
-def ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [1] + [rng.randrange(7, 1000) for _ in range(n - 1)]
 
 
 def prefill(inst, prompt: list[int]) -> dict:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import random
 import time
 
 import httpx
 import pytest
 
-from helpers import assert_greedy_match, hf_reference
+from helpers import assert_greedy_match, hf_reference, ids as prompt
 from servers import metric, post_json, start_server, stats, wait_idle
 
 SHORT_LEASE = ["--kv-lease-s", "2", "--kv-transfer-timeout-s", "1"]  # quarantine: 2 s
@@ -33,11 +32,6 @@ def decode(tiny_model, logs):
     inst = start_server(tiny_model, logs, *FAST_FAIL, role="decode")
     yield inst
     inst.stop()
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [1] + [rng.randrange(7, 1000) for _ in range(n - 1)]
 
 
 def prefill(inst, ids: list[int], max_tokens: int = 16) -> dict:

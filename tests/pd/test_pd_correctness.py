@@ -5,13 +5,12 @@ including a one-KV-head model replicated on either side; the transfer is account
 from __future__ import annotations
 
 import asyncio
-import random
 
 import httpx
 import pytest
 
 
-from helpers import assert_greedy_match, hf_reference
+from helpers import assert_greedy_match, hf_reference, ids as prompt
 from pdserve.kv_transfer.topology import producer_ranks_for
 from servers import get_json, metric, post_json, start_deployment, stats, wait_idle
 
@@ -28,11 +27,6 @@ def pd(request, tiny_model, tiny_kv1_model, tmp_path_factory):
     dep.model, dep.p_tp, dep.d_tp = model, p_tp, d_tp
     yield dep
     dep.stop()
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [1] + [rng.randrange(7, 1000) for _ in range(n - 1)]
 
 
 def complete(url: str, ids: list[int], **kw) -> dict:

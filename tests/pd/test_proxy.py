@@ -4,13 +4,12 @@ endpoints. A 2 prefill + 1 decode deployment (TP 1 each)."""
 from __future__ import annotations
 
 import json
-import random
 
 import httpx
 import openai
 import pytest
 
-from helpers import assert_greedy_match, hf_reference
+from helpers import assert_greedy_match, hf_reference, ids
 from pdserve.launcher import Deployment
 from servers import INSTANCE_ARGS, metric, post_json, stats, wait_idle
 
@@ -23,11 +22,6 @@ def xpyd(tiny_model, tmp_path_factory):
     dep.model = tiny_model
     yield dep
     dep.stop()
-
-
-def ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [1] + [rng.randrange(7, 1000) for _ in range(n - 1)]
 
 
 def test_round_robin_over_prefill_instances(xpyd):

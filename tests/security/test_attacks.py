@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import time
 
 import httpx
@@ -14,7 +13,7 @@ import msgspec
 import pytest
 import zmq
 
-from helpers import assert_greedy_match, hf_reference
+from helpers import assert_greedy_match, hf_reference, ids
 from pdserve.launcher import Deployment
 from servers import INSTANCE_ARGS, get_json, metric, post_json, stats, wait_idle
 
@@ -29,11 +28,6 @@ def dep(tiny_model, tmp_path_factory):
     d.model = tiny_model
     yield d
     d.stop()
-
-
-def ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [1] + [rng.randrange(7, 1000) for _ in range(n - 1)]
 
 
 def still_serving(dep, seed: int = 0) -> None:
