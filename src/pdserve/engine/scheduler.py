@@ -74,6 +74,12 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    @property
+    def _num_seqs(self) -> int:
+        """What `max_num_seqs` bounds at admission: running requests and those loading remote KV
+        (they run as soon as their KV lands)."""
+        return len(self.running) + len(self.loading)
+
     # --- one step -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -106,7 +112,7 @@ class Scheduler:
                 if not self._admit_remote(request, remote_loads):
                     break
                 continue
-            if len(self.running) >= self.config.max_num_seqs:
+            if self._num_seqs >= self.config.max_num_seqs:
                 break
             if not self._admit(request, budget):
                 break
@@ -178,8 +184,8 @@ class Scheduler:
 
     def _admit_remote(self, request: Request, remote_loads: list) -> bool:
         """P/D consumer: allocate blocks for the prompt and the producer's first token; the
-        connector reads the KV into them. Requests loading KV count against max_num_seqs."""
-        if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
+        connector reads the KV into them."""
+        if self._num_seqs >= self.config.max_num_seqs:
             return False
         needed = self.pool.blocks_needed(request.num_prompt_tokens + 1)
         if needed > self.pool.num_free_blocks:
