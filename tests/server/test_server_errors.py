@@ -96,3 +96,34 @@ def test_api_key(tiny_model, tmp_path):
             assert r.status == 200
     finally:
         inst.stop()
+
+
+# --- chat templates: the request's template and kwargs (docs/design.md, "Checkpoints and chat") ---
+
+SERVER_TEMPLATE = ("{% for t in tools %}[{{ t['name'] }}]{% endfor %}{% for m in messages %}<|{{ m['role'] }}|>"
+                   "{{ m['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def trusted(tiny_model, tmp_path_factory):
+    """An instance that renders request templates, with a server template that takes `tools`."""
+    log_dir = tmp_path_factory.mktemp("trusted")
+    (log_dir / "template.jinja").write_text(SERVER_TEMPLATE)
+    inst = start_server(tiny_model, log_dir, "--chat-template", str(log_dir / "template.jinja"),
+                        num_blocks=32)
+    yield inst
+    inst.stop()
+
+
+def test_a_template_error_caused_by_the_request_is_a_400_naming_the_field(trusted):
+    for extra, field in [({"chat_template": "{{ 1/0 }}"}, "chat_template"),
+                         ({"chat_template": "{{ messages.pop() }}"}, "chat_template"),
+                         ({"chat_template_kwargs": {"tools": 5}}, "chat_template_kwargs")]:
+        code, resp = post_json(trusted.url + "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1,
+                                                                      **extra})
+        assert code == 400 and resp["error"]["param"] == field, (extra, resp)
+        assert set(resp["error"]) == {"message", "type", "param", "code"}
+    code, resp = post_json(trusted.url + "/v1/chat/completions",
+                           {"messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {"tools": [{"name": "f"}]}})
+    assert code == 200 and resp["usage"]["completion_tokens"] == 2, resp

@@ -111,3 +111,45 @@ def test_generation_config_defaults(tmp_path, caplog):
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], temperature=0.0, top_k=-1)
     p = serving.sampling_params(req, 5, None)
     assert (p.temperature, p.top_k, p.max_tokens) == (0.0, 0, 5)
+
+
+# --- errors: a template error caused by the request names the request's field (fast, no engine) ---
+
+TOOLS = ("{% for t in tools %}[{{ t['name'] }}]{% endfor %}{% for m in messages %}{{ m['role'] }}: "
+         "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+STRICT = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first message must be a user') }}" \
+         "{% endif %}" + TOOLS
+SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}
+USER = [{"role": "user", "content": "hi"}]
+
+
+def renderer(default: str = TOOLS):
+    from pdserve.text.chat_template import ChatRenderer
+    return ChatRenderer(default, {}, SPECIAL)
+
+
+def refused_field(**kw) -> str:
+    from pdserve.text.chat_template import ChatTemplateError
+    r = kw.pop("renderer", None) or renderer()
+    with pytest.raises(ChatTemplateError) as e:
+        r.render(kw.pop("messages", USER), **kw)
+    return e.value.field
+
+
+@pytest.mark.parametrize("template", ["{{ 1/0 }}", "{{ messages[5]['role'] }}", "{{ messages + 1 }}",
+                                      "{% for %}", "{{ raise_exception('no') }}", "{{ messages.pop() }}"])
+def test_any_error_of_a_request_template_names_chat_template(template):
+    assert refused_field(chat_template=template) == "chat_template"
+
+
+def test_kwargs_that_break_the_server_template_name_chat_template_kwargs():
+    assert refused_field(template_kwargs={"tools": 5}) == "chat_template_kwargs"
+    assert "[f]" in renderer().render(USER, template_kwargs={"tools": [{"name": "f"}]})
+
+
+def test_messages_the_server_template_refuses_name_messages():
+    strict = renderer(STRICT)
+    assert refused_field(renderer=strict, messages=[{"role": "assistant", "content": "x"}]) == "messages"
+    # ... even when kwargs were sent too, if the messages alone are refused
+    assert refused_field(renderer=strict, messages=[{"role": "assistant", "content": "x"}],
+                         template_kwargs={"tools": []}) == "messages"

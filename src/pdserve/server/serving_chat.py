@@ -35,8 +35,7 @@ class ChatServing(BaseServing):
                 messages, req.add_generation_prompt, continue_final_message=req.continue_final_message,
                 chat_template=req.chat_template, template_kwargs=req.chat_template_kwargs)
         except ChatTemplateError as e:
-            field = "chat_template" if req.chat_template is not None else "messages"
-            raise InvalidRequestError(field, f"the chat template refused them: {e}") from None
+            raise InvalidRequestError(e.field, f"the chat template failed: {e}") from None
         return self.encode(text, "messages", add_special_tokens=False)
 
     async def create(self, req: ChatCompletionRequest, request_id: str, raw_request):

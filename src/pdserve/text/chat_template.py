@@ -24,7 +24,11 @@ DEFAULT_CHAT_TEMPLATE = (
 
 
 class ChatTemplateError(ValueError):
-    pass
+    """The template refused to render, or failed; `field` names what in the request caused it."""
+
+    def __init__(self, message: str, field: str = "messages"):
+        super().__init__(message)
+        self.field = field
 
 
 def find_templates(model_dir: Path, tokenizer_config: dict,
@@ -66,18 +70,34 @@ class ChatRenderer:
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                continue_final_message: bool = False, chat_template: str | None = None,
                template_kwargs: dict | None = None) -> str:
+        """The prompt text. Any error is a ChatTemplateError naming what caused it: a template the
+        request brought (`chat_template`), else the request's `chat_template_kwargs` when the
+        server's template renders without them, else the `messages`."""
         if add_generation_prompt and continue_final_message:
-            raise ChatTemplateError("add_generation_prompt and continue_final_message cannot both be true")
+            raise ChatTemplateError("add_generation_prompt and continue_final_message cannot both be true",
+                                    "continue_final_message")
+        from_request = chat_template is not None and chat_template not in self.named
         template = self._template(chat_template)
-        context = {**self.special_tokens, **(template_kwargs or {}), "messages": messages,
-                   "add_generation_prompt": add_generation_prompt}
+        base = {"messages": messages, "add_generation_prompt": add_generation_prompt}
         try:
-            text = template.render(**context)
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(str(e)) from None
+            text = template.render({**self.special_tokens, **(template_kwargs or {}), **base})
+        except Exception as e:  # noqa: BLE001 - a template runs arbitrary expressions
+            raise ChatTemplateError(_describe(e), self._blame(from_request, template, template_kwargs, base)) \
+                from None
         if continue_final_message:
             text = _cut_after_final_message(text, messages)
         return text
+
+    def _blame(self, from_request: bool, template: jinja2.Template, kwargs: dict | None, base: dict) -> str:
+        if from_request:
+            return "chat_template"
+        if kwargs:
+            try:
+                template.render({**self.special_tokens, **base})
+                return "chat_template_kwargs"
+            except Exception:  # noqa: BLE001 - the messages alone fail too
+                pass
+        return "messages"
 
     def _template(self, chat_template: str | None) -> jinja2.Template:
         if chat_template is None:
@@ -86,9 +106,17 @@ class ChatRenderer:
         if source not in self._compiled:
             try:
                 self._compiled[source] = self._env.from_string(source)
-            except jinja2.TemplateError as e:
-                raise ChatTemplateError(f"the chat template does not compile: {e}") from None
+            except Exception as e:  # noqa: BLE001 - syntax errors, and anything else the parser raises
+                raise ChatTemplateError(f"the chat template does not compile: {_describe(e)}",
+                                        "chat_template") from None
         return self._compiled[source]
+
+
+def _describe(e: Exception) -> str:
+    """What a client reads: the template's own message (raise_exception), else the error's type and text."""
+    if isinstance(e, ChatTemplateError | jinja2.TemplateError):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
 
 
 def _cut_after_final_message(text: str, messages: list[dict]) -> str:
