@@ -4,11 +4,14 @@ CLI process: a Ray driver on a node of the cluster. Ray places the instances (ac
 actors.py) by the CPUs and custom resources each asks for, and restarts them when they die; the
 driver runs the proxy beside it and, about once a second, asks every actor how it is and tells the
 proxy which instances answer (`PUT /admin/upstreams`), so instances that join, leave, die or come
-back are routed to without restarting anything. The driver owns the actors: when it stops, they stop.
+back are routed to without restarting anything. Instances that leave stop in the background, and a
+proxy that dies is started again on its port and told the routes. The driver owns the actors: when
+it stops, they stop.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -71,7 +74,8 @@ def local_address_towards(address: str) -> str:
 
 
 class RayDeployment:
-    def __init__(self, args, model: str):
+    def __init__(self, args, model: str, ray=None, http: httpx.Client | None = None):
+        """`ray` and `http` are seams for tests (a fake Ray; the client that talks to the proxy)."""
         self.args = args
         self.model = model
         self.env = {"PDSERVE_KV_SECRET": os.environ.get("PDSERVE_KV_SECRET") or secrets.token_hex(32)}
@@ -82,22 +86,25 @@ class RayDeployment:
         self.proxy: Instance | None = None
         self.routed: dict | None = None  # what the proxy was last told
         self.reported: dict | None = None  # what the registry was last told
-        self.ray = None
+        self.ray = ray
+        self.http = http or httpx.Client(timeout=10)
+        self.log_dir: Path | None = None
+        self.proxy_port = args.port  # the proxy's bound port once it runs (a restart keeps it)
+        # Instances that left stop in the background (each may take a while to finish its streams)
+        self.departing: dict[plan.Member, concurrent.futures.Future] = {}
+        self._stopper = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="pdserve-stop")
 
     def start(self, timeout_s: float = 600.0) -> "RayDeployment":
-        ray = self.ray = connect(self.args.ray)
+        ray = self.ray = self.ray or connect(self.args.ray)
         try:
             self.registry = ray.remote(Registry).options(name=REGISTRY, num_cpus=0).remote(
                 self.args.prefill, self.args.decode)
         except ValueError:  # the name is taken
             raise SystemExit("a pdserve deployment already runs on this Ray cluster "
                              "(`pdserve ray status` shows it; stop it first)") from None
-        self.proxy = Instance("proxy", ["proxy", "--port", str(self.args.port), "--host", self.args.host,
-                                        *shlex.split(self.args.proxy_args)], host=self.args.host)
-        log_dir = Path(self.args.log_dir or tempfile.mkdtemp(prefix="pdserve-ray-"))
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.proxy.spawn(log_dir, {**self.env, "PDSERVE_ADMIN_KEY": self.admin_key})
-        self.proxy.wait_healthy(60, listening_only=True)  # (healthy once a decode instance is routed)
+        self.log_dir = Path(self.args.log_dir or tempfile.mkdtemp(prefix="pdserve-ray-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._start_proxy()
         deadline = time.monotonic() + timeout_s
         while True:
             status = self.reconcile()
@@ -105,6 +112,13 @@ class RayDeployment:
                 return self
             if time.monotonic() > deadline:
                 raise TimeoutError(f"instances not up within {timeout_s:.0f} s: {json.dumps(status)}")
+
+    def _start_proxy(self) -> None:
+        self.proxy = Instance("proxy", ["proxy", "--port", str(self.proxy_port), "--host", self.args.host,
+                                        *shlex.split(self.args.proxy_args)], host=self.args.host)
+        self.proxy.spawn(self.log_dir, {**self.env, "PDSERVE_ADMIN_KEY": self.admin_key})
+        self.proxy.wait_healthy(60, listening_only=True)  # (healthy once a decode instance is routed)
+        self.proxy_port = self.proxy.port
 
     def _actor(self, role: str):
         tp = self.args.prefill_tp if role == "prefill" else self.args.decode_tp
@@ -119,6 +133,7 @@ class RayDeployment:
         actor, route to those that serve."""
         ray = self.ray
         began = time.monotonic()
+        self._watch_proxy()
         wanted = ray.get(self.registry.get_wanted.remote(), timeout=30)
         start, stop = plan.changes(wanted, self.members)
         for role, n in start.items():
@@ -127,13 +142,26 @@ class RayDeployment:
         self._hear(wait_s)
         self._route()  # the ones that go leave the proxy before they stop
         for m in stop:
-            self._stop(m)
+            self.departing[m] = self._stopper.submit(self._stop, m)
+        self.departing = {m: f for m, f in self.departing.items() if not f.done()}
         status = plan.status(wanted, self.members, self.proxy.url)
         if status != self.reported:
             self.registry.report.remote(status)
             self.reported = status
         time.sleep(max(0.0, wait_s - (time.monotonic() - began)))
         return status
+
+    def _watch_proxy(self) -> None:
+        """A proxy that exited (crash, OOM, kill) is started again on its port and told the routes."""
+        code = self.proxy.proc.poll()
+        if code is None:
+            return
+        logger.error("the proxy exited with %s; starting it again on port %s", code, self.proxy_port)
+        try:
+            self._start_proxy()
+        except (RuntimeError, TimeoutError) as e:
+            logger.error("the proxy did not start again (next round tries again): %s", e)
+        self.routed = None  # a new proxy knows no instance
 
     def _hear(self, wait_s: float) -> None:
         for m in self.members:
@@ -156,25 +184,33 @@ class RayDeployment:
         if routes == self.routed:
             return
         try:
-            r = httpx.put(self.proxy.url + "/admin/upstreams", json=routes, timeout=10,
-                          headers={"Authorization": f"Bearer {self.admin_key}"})
+            r = self.http.put(self.proxy.url + "/admin/upstreams", json=routes,
+                              headers={"Authorization": f"Bearer {self.admin_key}"})
             r.raise_for_status()
             self.routed = routes
         except httpx.HTTPError as e:
             logger.warning("could not tell the proxy which instances serve: %s", e)
 
     def _stop(self, m: plan.Member) -> None:
+        """On a thread of `_stopper`: graceful (bounded), then the actor goes for good."""
         try:
             self.ray.get(m.actor.stop.remote(), timeout=90)
         except Exception as e:  # noqa: BLE001 - it goes either way
             logger.info("%s instance did not stop by itself: %s", m.role, e)
-        self.ray.kill(m.actor, no_restart=True)
+        try:
+            self.ray.kill(m.actor, no_restart=True)
+        except Exception as e:  # noqa: BLE001 - already gone
+            logger.info("%s actor could not be killed: %s", m.role, e)
 
     def stop(self) -> None:
         if self.proxy is not None:
             self.proxy.stop()
         for m in self.members:
-            self._stop(m)
+            self.departing[m] = self._stopper.submit(self._stop, m)
+        self.members = []
+        concurrent.futures.wait(self.departing.values())  # each bounded by _stop's timeout
+        self._stopper.shutdown()
+        self.http.close()
         if self.ray is not None:
             self.ray.shutdown()
 
