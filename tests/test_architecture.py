@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 # Lower layers never import higher ones. Packages on one layer do not import each other.
 LAYERS = [
     {"config", "cpus", "heap", "sampling_params", "outputs"},
-    {"transport", "model", "text", "checkpoints"},
+    {"transport", "model", "text", "checkpoints", "prefix_cache"},
     {"kv_transfer"},
     {"worker"},
     {"engine"},

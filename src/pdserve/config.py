@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import os
 
 
@@ -116,6 +117,61 @@ class KVTransferConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class KVEventsConfig:
+    """`--kv-events-config`, vLLM's keys (docs/design.md, "Prefix cache: hashes and KV events").
+    An endpoint binds when it has `*` or `::`, is ipc/inproc, or names port 0; otherwise it
+    connects (vLLM's rule). `encoding` and `role` are pdserve's."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; None: "zmq" when enabled
+    endpoint: str = "tcp://127.0.0.1:0"  # loopback, any free port (reported by /health)
+    replay_endpoint: str | None = None  # a ROUTER socket serving past batches
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # events waiting to be sent; beyond it they are dropped (a gap)
+    topic: str = ""  # empty: "kv@<role>@<engine id>"
+    encoding: str = "map"  # "map" (events tagged with "type") or "array" (vLLM's older form)
+    role: str = "both"  # named in the default topic, e.g. "prefill" or "decode"
+
+    def __post_init__(self):
+        _check(isinstance(self.enable_kv_cache_events, bool), "kv_events_config.enable_kv_cache_events",
+               "must be true or false")
+        _check(self.publisher in (None, "zmq", "null"), "kv_events_config.publisher",
+               f"must be zmq or null, got {self.publisher!r}")
+        _check(self.encoding in ("map", "array"), "kv_events_config.encoding",
+               f"must be map or array, got {self.encoding!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"kv_events_config.{name}",
+                   f"must be an integer >= 1, got {v!r}")
+        for name in ("endpoint", "topic", "role"):
+            _check(isinstance(getattr(self, name), str), f"kv_events_config.{name}", "must be a string")
+        _check(self.replay_endpoint is None or isinstance(self.replay_endpoint, str),
+               "kv_events_config.replay_endpoint", "must be a string")
+        _check(self.endpoint.startswith(("tcp://", "ipc://", "inproc://")), "kv_events_config.endpoint",
+               f"must be a tcp://, ipc:// or inproc:// address, got {self.endpoint!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    @classmethod
+    def from_json(cls, text: str) -> "KVEventsConfig":
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"kv_events_config: not JSON: {e}") from None
+        _check(isinstance(raw, dict), "kv_events_config", "must be a JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - names)
+        _check(not unknown, "kv_events_config", f"unknown keys {unknown}; known: {sorted(names)}")
+        try:
+            return cls(**raw)
+        except TypeError as e:
+            raise ConfigError(f"kv_events_config: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str
     dtype: str = "auto"
@@ -127,6 +183,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     kv_transfer: KVTransferConfig | None = None
+    kv_events: KVEventsConfig = dataclasses.field(default_factory=KVEventsConfig)
 
     def __post_init__(self):
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -155,6 +212,7 @@ class ServerConfig:
     port_file: str | None = None
     enable_debug_endpoints: bool = False  # tests only: KV checksums, loaded peers
     generation_config: str = "auto"  # "auto": the checkpoint's sampling defaults; "vllm": pdserve's
+    trust_request_chat_template: bool = False  # render templates requests bring (sandboxed, bounded)
 
     def __post_init__(self):
         _check(0 <= self.port < 65536, "port", f"out of range: {self.port}")

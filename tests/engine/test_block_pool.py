@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
-from pdserve.engine.request import Request
-from pdserve.sampling_params import SamplingParams
+import random
 
 import pytest
+
+from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
+from pdserve.engine.request import Request
+from pdserve.prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from pdserve.prefix_cache.hashing import event_hash, extra_keys, hash_blocks
+from pdserve.sampling_params import SamplingParams
 
 
 def _request(tokens, computed=None) -> Request:
@@ -72,3 +76,109 @@ def test_quarantine_keeps_blocks_out_of_reuse_until_due():
     assert pool.release_quarantine(now=9.0) == 0
     assert pool.release_quarantine(now=10.0) == 2
     assert pool.num_free_blocks == 4
+
+
+# --- content hashes, salts and KV events (docs/design.md, "Prefix cache: hashes and KV events") ---
+
+def _salted(tokens, salt=None, computed=None) -> Request:
+    r = Request("r", tokens, SamplingParams(), (), 16, cache_salt=salt)
+    r.num_computed_tokens = len(tokens) if computed is None else computed
+    return r
+
+
+def _stored(pool: BlockPool, r: Request) -> Request:
+    r.block_ids = pool.allocate(pool.blocks_needed(r.num_tokens))
+    pool.cache_full_blocks(r)
+    return r
+
+
+def test_prefix_cache_keys_are_content_hashes_anyone_can_compute():
+    pool = BlockPool(8, 4, model_key="model-x")
+    tokens = list(range(10, 23))
+    r = _stored(pool, _salted(tokens))
+    assert r.block_hashes == hash_blocks(tokens, 4, extra_keys("model-x"))
+    assert set(pool.cached) == set(r.block_hashes)
+
+
+def test_a_salted_request_never_hits_another_salts_blocks():
+    pool = BlockPool(16, 4, model_key="m")
+    tokens = list(range(40, 53))
+    a = _stored(pool, _salted(tokens, "tenant-a"))
+    assert pool.match_prefix(_salted(tokens + [1], "tenant-b", computed=0)) == []
+    assert pool.match_prefix(_salted(tokens + [1], None, computed=0)) == []
+    assert pool.match_prefix(_salted(tokens + [1], "tenant-a", computed=0)) == a.block_ids[:3]
+
+
+class _Events:
+    """Applies a pool's events the way a subscriber would."""
+
+    def __init__(self):
+        self.hashes: set[int] = set()
+        self.log: list = []
+
+    def __call__(self, events):
+        for e in events:
+            self.log.append(e)
+            if isinstance(e, BlockStored):
+                assert not self.hashes & set(e.block_hashes), "stored twice"
+                assert len(e.token_ids) == e.block_size * len(e.block_hashes) == 4 * len(e.block_hashes)
+                self.hashes.update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                assert set(e.block_hashes) <= self.hashes, "removed what was never stored"
+                self.hashes.difference_update(e.block_hashes)
+            else:
+                self.hashes.clear()
+
+
+def _held(pool: BlockPool) -> set[int]:
+    return {event_hash(h) for h in pool.cached}
+
+
+def test_events_say_exactly_what_the_pool_caches_under_evictions():
+    rng = random.Random(3)
+    events = _Events()
+    pool = BlockPool(12, 4, model_key="m", on_events=events)
+    prefixes = [[rng.randrange(100) for _ in range(8)] for _ in range(3)]
+    live: list[Request] = []
+    for step in range(300):
+        if live and (rng.random() < 0.5 or pool.num_free_blocks < 4):
+            r = live.pop(rng.randrange(len(live)))
+            pool.release(r.block_ids)
+        else:
+            tokens = rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randrange(1, 8))]
+            r = _salted(tokens, rng.choice([None, "s"]), computed=0)
+            hits = pool.match_prefix(r)
+            pool.take(hits)
+            r.block_ids = hits + pool.allocate(pool.blocks_needed(len(tokens)) - len(hits))
+            r.num_computed_tokens = len(tokens)
+            pool.cache_full_blocks(r)
+            live.append(r)
+        assert events.hashes == _held(pool), step
+    assert sum(isinstance(e, BlockRemoved) for e in events.log) > 10  # blocks were evicted
+    pool.reset_prefix_cache()  # with blocks still in use: nothing stays cached
+    assert isinstance(events.log[-1], AllBlocksCleared) and events.hashes == _held(pool) == set()
+    assert all(pool.match_prefix(_salted(p + [1], computed=0)) == [] for p in prefixes)
+
+
+def test_one_block_per_hash_and_removed_only_when_it_goes():
+    events = _Events()
+    pool = BlockPool(8, 4, model_key="m", on_events=events)
+    tokens = list(range(9))
+    first, second = _salted(tokens, computed=0), _salted(tokens, computed=0)
+    for r in (first, second):  # both computed the prompt before either cached it: two copies
+        r.block_ids = pool.allocate(3)
+    for r in (first, second):
+        r.num_computed_tokens = 9
+        pool.cache_full_blocks(r)
+    assert len(pool.cached) == 2 and len([e for e in events.log if isinstance(e, BlockStored)]) == 1
+    stored = events.log[0]
+    assert stored.parent_block_hash is None and stored.extra_keys == [["m"], ["m"]]
+    assert stored.token_ids == tokens[:8] and stored.medium == "cpu"
+    pool.release(second.block_ids)
+    pool.allocate(3)  # reuses the second's uncached copies: nothing the pool cached went
+    assert not any(isinstance(e, BlockRemoved) for e in events.log)
+    pool.release(first.block_ids)
+    pool.allocate(5)
+    assert events.hashes == _held(pool) == set()
+    removed = [h for e in events.log if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert sorted(removed) == sorted(stored.block_hashes)

@@ -1,36 +1,51 @@
 """The KV block pool of one instance: reference counts, LRU reuse and automatic prefix caching.
 
 Engine process (the TP ranks only see block ids). A block is owned by the requests that reference it
-(ref_count); a free block keeps its prefix-cache hash until it is reused, so a repeated prefix finds it.
-Full blocks are identified by a hash chain over their token ids. Quarantined blocks (an expired P/D
-lease) are neither free nor owned until their release time passes.
+(ref_count); a free block keeps its prefix-cache entry until it is reused, so a repeated prefix finds
+it. Full blocks are identified by content hashes (`prefix_cache.hashing`: parent, tokens, the
+instance's model key and the request's `cache_salt`), the same in every process; at most one block
+holds a hash, so what the pool reports through `on_events` (stored, removed, cleared) is exactly
+the set of hashes it caches. Quarantined blocks (an expired P/D lease) are neither free nor owned
+until their release time passes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
+from typing import Callable
 
 from pdserve.engine.request import Request
+from pdserve.prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from pdserve.prefix_cache.hashing import ROOT_HASH, event_hash, extra_keys, hash_blocks
 
 
 class NoFreeBlocksError(RuntimeError):
     pass
 
 
-def _chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+@dataclasses.dataclass(slots=True)
+class CachedBlock:
+    """What the prefix cache knows of one block (enough to check a hit and to describe it)."""
+
+    block_hash: bytes
+    parent_hash: bytes | None  # None for a prompt's first block
+    token_ids: tuple[int, ...]
+    extra_keys: tuple[str, ...]
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 model_key: str = "", on_events: Callable[[list[Event]], None] | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.model_key = model_key  # hashed into every block: another model's KV never matches
+        self.on_events = on_events  # each operation's events, in order (the engine thread)
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.entries: list[CachedBlock | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.cached: dict[bytes, int] = {}  # hash -> the one block holding it
         self.quarantine: list[tuple[float, list[int]]] = []  # (release time, blocks)
 
     # --- counts -------------------------------------------------------------------------------
@@ -48,41 +63,82 @@ class BlockPool:
 
     # --- prefix cache -------------------------------------------------------------------------
 
+    def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The request's first `num_blocks` full-block hashes, computed once each (a request that
+        waits for admission step after step is not hashed again)."""
+        hashes = request.block_hashes
+        if len(hashes) < num_blocks:
+            bs, done = self.block_size, len(hashes)
+            tokens = request.all_token_ids[done * bs:num_blocks * bs]
+            hashes += hash_blocks(tokens, bs, self._keys(request), hashes[-1] if hashes else ROOT_HASH)
+        return hashes[:num_blocks]
+
     def match_prefix(self, request: Request) -> list[int]:
         """Cached blocks holding the longest full-block prefix of the request (no ownership taken).
-        At least one token is always left to compute, so a fully cached prompt drops its last block."""
+        At least one token is always left to compute, so a fully cached prompt drops its last block.
+        A hit is checked against the block's tokens and keys too (a hash is not trusted alone)."""
         if not self.enable_prefix_caching:
             return []
-        tokens = request.all_token_ids
-        num_full = (len(tokens) - 1) // self.block_size
-        hits, parent = [], None
-        for i in range(num_full):
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            h = _chain_hash(parent, chunk)
+        tokens, bs = request.all_token_ids, self.block_size
+        keys = self._keys(request)
+        hits = []
+        for i, h in enumerate(self.block_hashes(request, (len(tokens) - 1) // bs)):
             block = self.cached.get(h)
-            if block is None or self.block_tokens[block] != chunk:
+            entry = self.entries[block] if block is not None else None
+            if entry is None or entry.extra_keys != keys or \
+                    entry.token_ids != tuple(tokens[i * bs:(i + 1) * bs]):
                 break
             hits.append(block)
-            parent = h
         return hits
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's blocks that are now full of computed tokens."""
-        if not self.enable_prefix_caching:
-            return
+        """Register the request's blocks that are now full of computed tokens. A hash another block
+        already holds is not registered twice (this copy stays private to the request)."""
         num_full = request.num_computed_tokens // self.block_size
-        tokens = request.all_token_ids
-        while len(request.block_hashes) < num_full:
-            i = len(request.block_hashes)
-            parent = request.block_hashes[-1] if i else None
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            h = _chain_hash(parent, chunk)
-            request.block_hashes.append(h)
-            block = request.block_ids[i]
-            if self.block_hash[block] is None and h not in self.cached:
-                self.block_hash[block] = h
-                self.block_tokens[block] = chunk
-                self.cached[h] = block
+        if not self.enable_prefix_caching or num_full <= request.num_registered_blocks:
+            return
+        hashes = self.block_hashes(request, num_full)
+        tokens, bs, keys = request.all_token_ids, self.block_size, self._keys(request)
+        runs: list[list[int]] = []  # consecutive registered block indexes: one BlockStored each
+        for i in range(request.num_registered_blocks, num_full):
+            block, h = request.block_ids[i], hashes[i]
+            if self.entries[block] is not None or h in self.cached:
+                continue
+            self.entries[block] = CachedBlock(h, hashes[i - 1] if i else None,
+                                              tuple(tokens[i * bs:(i + 1) * bs]), keys)
+            self.cached[h] = block
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        request.num_registered_blocks = num_full
+        if runs and self.on_events is not None:
+            self.on_events([self._stored([self.entries[request.block_ids[i]] for i in run]) for run in runs])
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block, in use or not (owners keep their blocks, uncached); returns
+        how many were cached. Reported as AllBlocksCleared."""
+        num_cached = len(self.cached)
+        for block in self.cached.values():
+            self.entries[block] = None
+        self.cached.clear()
+        if self.on_events is not None:
+            self.on_events([AllBlocksCleared()])
+        return num_cached
+
+    def cached_blocks(self) -> list[BlockStored]:
+        """Every cached block as a one-block BlockStored (a snapshot's contents)."""
+        return [self._stored([self.entries[b]]) for b in self.cached.values()]
+
+    def _keys(self, request: Request) -> tuple[str, ...]:
+        return extra_keys(self.model_key, request.cache_salt)
+
+    def _stored(self, entries: list[CachedBlock]) -> BlockStored:
+        parent = entries[0].parent_hash
+        return BlockStored(block_hashes=[event_hash(e.block_hash) for e in entries],
+                           parent_block_hash=event_hash(parent) if parent is not None else None,
+                           token_ids=[t for e in entries for t in e.token_ids], block_size=self.block_size,
+                           extra_keys=[list(e.extra_keys) for e in entries])
 
     # --- ownership ----------------------------------------------------------------------------
 
@@ -96,12 +152,18 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free):
             raise NoFreeBlocksError(f"need {n} blocks, {len(self.free)} free")
-        blocks = []
+        blocks, removed = [], []
         for _ in range(n):
             b, _ = self.free.popitem(last=False)
-            self._evict(b)
+            entry = self.entries[b]
+            if entry is not None:  # the least recently used free block: its cached KV goes
+                del self.cached[entry.block_hash]
+                self.entries[b] = None
+                removed.append(event_hash(entry.block_hash))
             self.ref_counts[b] = 1
             blocks.append(b)
+        if removed and self.on_events is not None:
+            self.on_events([BlockRemoved(block_hashes=removed)])
         return blocks
 
     def release(self, block_ids: list[int]) -> None:
@@ -130,15 +192,3 @@ class BlockPool:
             for _, blocks in due:
                 self.release(blocks)
         return sum(len(b) for _, b in due)
-
-    def _evict(self, b: int) -> None:
-        h = self.block_hash[b]
-        if h is not None:
-            if self.cached.get(h) == b:
-                del self.cached[h]
-            self.block_hash[b] = None
-            self.block_tokens[b] = None
-
-    def reset_prefix_cache(self) -> None:
-        for b in list(self.free):
-            self._evict(b)

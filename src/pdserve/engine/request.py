@@ -68,7 +68,7 @@ _TRANSFER_TRANSITIONS = {
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_tokens: int,
-                 kv_transfer: KVTransferParams | None = None):
+                 kv_transfer: KVTransferParams | None = None, cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -77,13 +77,15 @@ class Request:
         if not params.ignore_eos:
             self.stop_token_ids.update(eos_token_ids)
         self.kv_transfer = kv_transfer
+        self.cache_salt = cache_salt  # its blocks are hashed with it: other salts never share them
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []  # hash chain of this request's full blocks, in order
+        self.block_hashes: list[bytes] = []  # content hashes of its full blocks so far (block_pool)
+        self.num_registered_blocks = 0  # of its blocks, how many the prefix cache has considered
         self.arrival_time = time.monotonic()
         self.sent_to_workers = False  # the sampler on rank 0 knows this request
         self.transfer = TransferState.initial(kv_transfer)

@@ -222,7 +222,7 @@ class Scheduler:
         self.running.remove(request)
         self.pool.release(request.block_ids)
         request.block_ids = []
-        request.block_hashes = []
+        request.num_registered_blocks = 0  # its recomputed blocks may enter the cache again
         request.num_computed_tokens = 0
         request.move_to(RequestStatus.PREEMPTED)
         self.waiting.appendleft(request)
