@@ -94,3 +94,15 @@ def _pid_listening(port_file: Path) -> int | None:
         except OSError:
             continue
     return None
+
+
+def test_instance_args_reach_every_serve(tiny_model):
+    """`pdserve up --instance-args` is how a deployment's instances get serve's flags."""
+    import shlex
+
+    from pdserve.cli import build_parser
+    parser = build_parser()
+    up = parser.parse_args(["up", tiny_model, "--instance-args=--trust-request-chat-template --num-blocks 64"])
+    serve = parser.parse_args(["serve", tiny_model, *shlex.split(up.instance_args)])
+    assert serve.trust_request_chat_template
+    assert not parser.parse_args(["serve", tiny_model]).trust_request_chat_template

@@ -141,7 +141,8 @@ def _serve(args) -> int:
         shutdown_timeout_s=args.shutdown_timeout_s, drain_timeout_s=args.drain_timeout_s,
         port_file=args.port_file,
         enable_debug_endpoints=args.enable_debug_endpoints, generation_config=args.generation_config,
-        max_request_body_bytes=args.max_request_body_bytes)
+        max_request_body_bytes=args.max_request_body_bytes,
+        trust_request_chat_template=args.trust_request_chat_template)
     run_server(server, engine_config(args), args.log_level.upper())
     return 0
 
@@ -230,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-debug-endpoints", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--chat-template", default=None,
                    help="a chat template file (or the template itself) instead of the checkpoint's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render chat templates that requests bring (vLLM's flag; each renders in a child "
+                        "process, bounded in time, memory and output); without it they are a 400")
     p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
                    help="auto: sampling defaults from the checkpoint's generation_config.json")
     add_engine_args(p)

@@ -13,7 +13,7 @@ from servers import start_server, wait_idle
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    inst = start_server(tiny_model, tmp_path_factory.mktemp("server"))
+    inst = start_server(tiny_model, tmp_path_factory.mktemp("server"), "--trust-request-chat-template")
     yield inst
     inst.stop()
 

@@ -3,6 +3,7 @@ the next valid request is answered correctly."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import pytest
@@ -111,7 +112,7 @@ def trusted(tiny_model, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("trusted")
     (log_dir / "template.jinja").write_text(SERVER_TEMPLATE)
     inst = start_server(tiny_model, log_dir, "--chat-template", str(log_dir / "template.jinja"),
-                        num_blocks=32)
+                        "--trust-request-chat-template", num_blocks=32)
     yield inst
     inst.stop()
 
@@ -126,4 +127,33 @@ def test_a_template_error_caused_by_the_request_is_a_400_naming_the_field(truste
         assert set(resp["error"]) == {"message", "type", "param", "code"}
     code, resp = post_json(trusted.url + "/v1/chat/completions",
                            {"messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": {"tools": [{"name": "f"}]}})
+    assert code == 200 and resp["usage"]["completion_tokens"] == 2, resp
+
+
+def test_a_request_template_is_refused_unless_the_server_trusts_them(server):
+    code, resp = post_json(server.url + "/v1/chat/completions",
+                           {"messages": MESSAGES, "max_tokens": 1, "chat_template": "{{ messages }}"})
+    assert code == 400 and resp["error"]["param"] == "chat_template", resp
+    assert "--trust-request-chat-template" in resp["error"]["message"]
+
+
+def test_special_tokens_in_kwargs_must_be_strings(server):
+    code, resp = post_json(server.url + "/v1/chat/completions",
+                           {"messages": MESSAGES, "max_tokens": 1, "chat_template_kwargs": {"bos_token": {"a": 1}}})
+    assert code == 400 and resp["error"]["param"] == "chat_template_kwargs.bos_token", resp
+
+
+@pytest.mark.parametrize("template", [
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",  # hours
+    "{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}",  # 10 GB of prompt
+    "{{ 'x' * 4000000000 }}",  # 4 GB at once
+], ids=["time", "output", "memory"])
+def test_a_trusted_request_template_is_bounded(trusted, template):
+    start = time.monotonic()
+    code, resp = post_json(trusted.url + "/v1/chat/completions",
+                           {"messages": MESSAGES, "max_tokens": 1, "chat_template": template}, timeout=30)
+    assert code == 400 and resp["error"]["param"] == "chat_template", resp
+    assert time.monotonic() - start < 10
+    code, resp = post_json(trusted.url + "/v1/chat/completions",
+                           {"messages": MESSAGES, "max_tokens": 2, "chat_template": "{{ messages[0]['content'] }}"})
     assert code == 200 and resp["usage"]["completion_tokens"] == 2, resp

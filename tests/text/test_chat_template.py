@@ -6,6 +6,7 @@ tokenizer_config.json (a string, or named templates), in additional_chat_templat
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,68 @@ def test_messages_the_server_template_refuses_name_messages():
     # ... even when kwargs were sent too, if the messages alone are refused
     assert refused_field(renderer=strict, messages=[{"role": "assistant", "content": "x"}],
                          template_kwargs={"tools": []}) == "messages"
+
+
+# --- request templates run bounded: time, output, memory, compile cache (fast, no engine) ---
+
+NESTED = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+WIDE = "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"
+HUGE = "{{ 'x' * 4000000000 }}"
+DOUBLING = ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+            "{{ ns.s | length }}")
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    from pdserve.text.template_sandbox import TemplateSandbox
+    box = TemplateSandbox(timeout_s=2.0)
+    yield box
+    box.close()
+
+
+def sandboxed(sandbox, template: str, max_chars: int = 100_000, **kw) -> str:
+    return renderer().render(USER, chat_template=template, sandbox=sandbox, max_chars=max_chars, **kw)
+
+
+@pytest.mark.parametrize("template, what", [(NESTED, "longer than"), ("{% for i in range(10**9) %}{% endfor %}", ""),
+                                            (WIDE, "characters"), (HUGE, "memory"), (DOUBLING, "memory")])
+def test_a_request_template_that_would_run_away_is_refused_quickly(sandbox, template, what):
+    from pdserve.text.chat_template import ChatTemplateError
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError) as e:
+        sandboxed(sandbox, template)
+    assert e.value.field == "chat_template" and what in str(e.value), str(e.value)
+    assert time.monotonic() - start < 5.0
+    # the sandbox serves the next template as if nothing had happened
+    assert sandboxed(sandbox, "{{ bos_token }}{{ messages[0]['content'] }}") == "<s>hi"
+
+
+def test_a_request_template_renders_as_in_process(sandbox):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why \"paged\"?"}]
+    for template, kwargs in [(TOOLS, {"tools": [{"name": "f"}]}), (TOOL_USE, None), (DEFAULT, {"think": True})]:
+        here = renderer().render(messages, chat_template=template, template_kwargs=kwargs)
+        there = renderer().render(messages, chat_template=template, template_kwargs=kwargs, sandbox=sandbox,
+                                  max_chars=10_000)
+        assert there == here and here
+
+
+def test_the_output_bound_holds_for_the_servers_template_too():
+    from pdserve.text.chat_template import ChatTemplateError
+    with pytest.raises(ChatTemplateError) as e:
+        renderer().render([{"role": "user", "content": "y" * 5000}], max_chars=1000)
+    assert e.value.field == "messages" and "1000 characters" in str(e.value)
+
+
+def test_the_compile_cache_is_bounded():
+    from pdserve.text.chat_template import TEMPLATE_CACHE_SIZE
+    r = renderer()
+    for i in range(TEMPLATE_CACHE_SIZE + 50):
+        assert r.render(USER, chat_template=f"{{{{ {i} }}}}") == str(i)
+    assert r.num_compiled() == TEMPLATE_CACHE_SIZE
+
+
+@pytest.mark.parametrize("name", ["bos_token", "eos_token", "pad_token", "unk_token"])
+def test_special_tokens_in_kwargs_must_be_strings(name):
+    for value in ({"x": 1}, 5, ["<s>"], None):
+        assert refused_field(template_kwargs={name: value}) == f"chat_template_kwargs.{name}"
+    assert renderer(DEFAULT).render(USER, template_kwargs={"bos_token": "<B>"}).startswith("<B>")

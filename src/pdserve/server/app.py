@@ -42,7 +42,8 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     metrics.registry.register(HeapMetrics("pdserve", collections))
     defaults = GenerationDefaults.from_dir(engine_config.model, server.generation_config)
     completions = CompletionServing(engine, model_name, metrics, defaults)
-    chat = ChatServing(engine, model_name, metrics, defaults)
+    chat = ChatServing(engine, model_name, metrics, defaults,
+                       trust_request_chat_template=server.trust_request_chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -54,6 +55,7 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         finally:  # uvicorn has stopped accepting and finished in-flight HTTP requests
             await engine.drain(server.drain_timeout_s)
             await engine.stop()
+            chat.close()
             collections.uninstall()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)

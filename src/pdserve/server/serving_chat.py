@@ -7,17 +7,33 @@ import asyncio
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pdserve.http.errors import APIError
 from pdserve.sampling_params import InvalidRequestError
 from pdserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                      ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
                                      ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob,
                                      DeltaMessage)
-from pdserve.server.serving import BaseServing, Choice, sse
+from pdserve.server.serving import MAX_CHARS_PER_TOKEN, BaseServing, Choice, sse
 from pdserve.text.chat_template import ChatTemplateError
+from pdserve.text.template_sandbox import TemplateBusyError, TemplateSandbox
 
 
 class ChatServing(BaseServing):
+    def __init__(self, *args, trust_request_chat_template: bool = False, **kwargs):
+        """Templates requests bring are refused (vLLM's rule) unless trusted; trusted ones render
+        in a sandbox process, bounded in time, memory and output (docs/design.md, "Checkpoints and chat")."""
+        super().__init__(*args, **kwargs)
+        self.sandbox = TemplateSandbox() if trust_request_chat_template else None
+
+    def close(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
+
     def prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if req.chat_template is not None and self.sandbox is None:
+            raise InvalidRequestError("chat_template", "this server does not render chat templates sent with "
+                                                       "requests; start it with --trust-request-chat-template "
+                                                       "to allow them")
         messages = []
         for i, m in enumerate(req.messages):
             content = m.content
@@ -33,9 +49,12 @@ class ChatServing(BaseServing):
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, req.add_generation_prompt, continue_final_message=req.continue_final_message,
-                chat_template=req.chat_template, template_kwargs=req.chat_template_kwargs)
+                chat_template=req.chat_template, template_kwargs=req.chat_template_kwargs,
+                max_chars=self.engine.engine.max_model_len * MAX_CHARS_PER_TOKEN, sandbox=self.sandbox)
         except ChatTemplateError as e:
             raise InvalidRequestError(e.field, f"the chat template failed: {e}") from None
+        except TemplateBusyError as e:
+            raise APIError(503, f"overloaded: {e}", headers={"Retry-After": "1"}) from None
         return self.encode(text, "messages", add_special_tokens=False)
 
     async def create(self, req: ChatCompletionRequest, request_id: str, raw_request):

@@ -9,6 +9,7 @@ is the default), then `chat_template.json`. Named templates also come from
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -21,6 +22,11 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+
+
+TEMPLATE_CACHE_SIZE = 64  # compiled templates kept (least recently used dropped first)
+DEFAULT_MAX_CHARS = 1 << 20  # a sandboxed render's output bound when the caller gives none
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 class ChatTemplateError(ValueError):
@@ -63,37 +69,48 @@ class ChatRenderer:
         self.has_template = default is not None
         self.named = named
         self.special_tokens = special_tokens  # bos_token, eos_token, ... as the template expects
-        self._env = _environment()
-        self._default = self._env.from_string(default or DEFAULT_CHAT_TEMPLATE)
-        self._compiled: dict[str, jinja2.Template] = {}
+        env = environment()
+        self._default = env.from_string(default or DEFAULT_CHAT_TEMPLATE)
+        self._compile = functools.lru_cache(maxsize=TEMPLATE_CACHE_SIZE)(env.from_string)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                continue_final_message: bool = False, chat_template: str | None = None,
-               template_kwargs: dict | None = None) -> str:
-        """The prompt text. Any error is a ChatTemplateError naming what caused it: a template the
-        request brought (`chat_template`), else the request's `chat_template_kwargs` when the
-        server's template renders without them, else the `messages`."""
+               template_kwargs: dict | None = None, max_chars: int | None = None, sandbox=None) -> str:
+        """The prompt text, at most `max_chars` long. A template the request brings (`chat_template`
+        that names none of the checkpoint's) renders in `sandbox` when one is given (a
+        template_sandbox.TemplateSandbox; the server's, for its clients). Any error is a
+        ChatTemplateError naming what caused it: the request's template (`chat_template`), else the
+        request's `chat_template_kwargs` when the server's template renders without them, else the
+        `messages`."""
         if add_generation_prompt and continue_final_message:
             raise ChatTemplateError("add_generation_prompt and continue_final_message cannot both be true",
                                     "continue_final_message")
-        from_request = chat_template is not None and chat_template not in self.named
-        template = self._template(chat_template)
+        kwargs = _checked(template_kwargs or {})
         base = {"messages": messages, "add_generation_prompt": add_generation_prompt}
-        try:
-            text = template.render({**self.special_tokens, **(template_kwargs or {}), **base})
-        except Exception as e:  # noqa: BLE001 - a template runs arbitrary expressions
-            raise ChatTemplateError(_describe(e), self._blame(from_request, template, template_kwargs, base)) \
-                from None
+        context = {**self.special_tokens, **kwargs, **base}
+        from_request = chat_template is not None and chat_template not in self.named
+        if from_request and sandbox is not None:
+            text = sandbox.render(chat_template, context, max_chars or DEFAULT_MAX_CHARS)
+        else:
+            template = self._template(chat_template)
+            try:
+                text = render_text(template, context, max_chars)
+            except Exception as e:  # noqa: BLE001 - a template runs arbitrary expressions
+                raise ChatTemplateError(describe(e), self._blame(from_request, template, kwargs, base, max_chars)) \
+                    from None
         if continue_final_message:
             text = _cut_after_final_message(text, messages)
         return text
 
-    def _blame(self, from_request: bool, template: jinja2.Template, kwargs: dict | None, base: dict) -> str:
+    def num_compiled(self) -> int:
+        return self._compile.cache_info().currsize
+
+    def _blame(self, from_request: bool, template, kwargs: dict, base: dict, max_chars: int | None) -> str:
         if from_request:
             return "chat_template"
         if kwargs:
             try:
-                template.render({**self.special_tokens, **base})
+                render_text(template, {**self.special_tokens, **base}, max_chars)
                 return "chat_template_kwargs"
             except Exception:  # noqa: BLE001 - the messages alone fail too
                 pass
@@ -102,21 +119,37 @@ class ChatRenderer:
     def _template(self, chat_template: str | None) -> jinja2.Template:
         if chat_template is None:
             return self._default
-        source = self.named.get(chat_template, chat_template)
-        if source not in self._compiled:
-            try:
-                self._compiled[source] = self._env.from_string(source)
-            except Exception as e:  # noqa: BLE001 - syntax errors, and anything else the parser raises
-                raise ChatTemplateError(f"the chat template does not compile: {_describe(e)}",
-                                        "chat_template") from None
-        return self._compiled[source]
+        try:
+            return self._compile(self.named.get(chat_template, chat_template))
+        except Exception as e:  # noqa: BLE001 - syntax errors, and anything else the parser raises
+            raise ChatTemplateError(f"the chat template does not compile: {describe(e)}", "chat_template") from None
 
 
-def _describe(e: Exception) -> str:
+def render_text(template: jinja2.Template, context: dict, max_chars: int | None) -> str:
+    """The rendered text, stopped as soon as it passes `max_chars` (None: no bound)."""
+    parts, size = [], 0
+    for part in template.generate(context):
+        size += len(part)
+        if max_chars is not None and size > max_chars:
+            raise ChatTemplateError(f"the prompt would be longer than {max_chars} characters")
+        parts.append(part)
+    return "".join(parts)
+
+
+def describe(e: Exception) -> str:
     """What a client reads: the template's own message (raise_exception), else the error's type and text."""
     if isinstance(e, ChatTemplateError | jinja2.TemplateError):
         return str(e)
     return f"{type(e).__name__}: {e}"
+
+
+def _checked(kwargs: dict) -> dict:
+    """The request's template variables; special tokens the templates concatenate must be text."""
+    for name in SPECIAL_TOKENS:
+        if name in kwargs and not isinstance(kwargs[name], str):
+            raise ChatTemplateError(f"must be a string, got {type(kwargs[name]).__name__}",
+                                    f"chat_template_kwargs.{name}")
+    return kwargs
 
 
 def _cut_after_final_message(text: str, messages: list[dict]) -> str:
@@ -141,7 +174,7 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
-def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+def environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
