@@ -49,7 +49,7 @@ def test_expiry_and_heartbeat_renewal():
     t.add("b", [2], "digest-b", now=0)
     assert t.heartbeat("d", 1, ["a", "zzz"], ["digest-a", "x"], now=4) == [HELD, GONE]
     free, expired = t.collect(now=6)
-    assert not free and [l.request_id for l in expired] == ["b"]
+    assert [l.request_id for l in free] == ["b"] and not expired  # nobody bound b: nothing to quarantine
     assert t.heartbeat("d", 1, ["b"], ["digest-b"], now=6) == [GONE]
     _, expired = t.collect(now=9.5)
     assert [l.request_id for l in expired] == ["a"] and t.num_expired == 2
@@ -77,3 +77,26 @@ def test_abort_notification_releases():
     bound(t, "a", tp=1)
     assert t.notify(0, "d/rank0", note("a", 0, tp=1, kind=NotificationKind.ABORT))
     assert [l.request_id for l in t.collect(now=1)[0]] == ["a"]
+
+
+def test_an_expired_lease_is_quarantined_only_if_a_consumer_bound_it():
+    """Only a bound consumer can have a READ in flight (it posts READs within its acknowledged
+    heartbeats), so an expired lease nobody spoke for is freed at once."""
+    t = LeaseTable(lease_s=5, producer_tp_size=1, num_kv_heads=2)
+    t.add("unbound", [1, 2], "digest-unbound", now=0)
+    t.add("bound", [3], "digest-bound", now=0)
+    bound(t, "bound", tp=1)
+    free, expired = t.collect(now=5)
+    assert [l.request_id for l in free] == ["unbound"] and [l.request_id for l in expired] == ["bound"]
+    assert t.num_expired == 2
+
+
+def test_a_hand_off_whose_answer_was_not_delivered_releases_only_an_unbound_lease():
+    t = LeaseTable(lease_s=5, producer_tp_size=1, num_kv_heads=2)
+    t.add("left", [1], "digest-left", now=0)
+    t.add("read", [2], "digest-read", now=0)
+    bound(t, "read", tp=1)
+    assert t.release_undelivered("left")
+    assert not t.release_undelivered("read")  # a consumer holds it: that consumer decides
+    assert not t.release_undelivered("left") and not t.release_undelivered("unknown")
+    assert [l.request_id for l in t.collect(now=1)[0]] == ["left"] and t.num_released == 1

@@ -98,6 +98,29 @@ def test_expiry_quarantines_then_frees(world):
     world.instances.append(d)
 
 
+def test_a_lease_no_consumer_ever_bound_is_freed_at_expiry_without_quarantine(world):
+    p = world.instance("P", 1, lease_s=2.0, transfer_timeout_s=3.0)
+    p.prefill("p1", 9)
+    world.run(steps=3, advance_s=1.0)
+    assert p.connector.producer.leases.num_expired == 1
+    assert p.pool.num_quarantined_blocks == 0 and p.pool.num_free_blocks == p.pool.num_blocks
+
+
+def test_an_undelivered_hand_off_frees_its_lease_at_once_unless_a_consumer_holds_it(world):
+    p = world.instance("P", 1)
+    p.prefill("p1", 9)
+    assert p.connector.release_undelivered("p1")  # the producer's client left: nobody has the params
+    p.step()
+    assert p.pool.num_free_blocks == p.pool.num_blocks
+    d = world.instance("D", 1)
+    d.receive("r2", p.prefill("p2", 9))
+    world.run(2)  # D's heartbeat binds the lease
+    assert not p.connector.release_undelivered("p2")
+    p.step()
+    assert p.pool.num_free_blocks < p.pool.num_blocks
+    assert not p.connector.release_undelivered("never-handed-off")
+
+
 def test_the_handshake_answers_only_the_ranks_asked(world):
     p = world.instance("P", 4)
     reply = p.connector.producer._handle(HandshakeRequest(HANDSHAKE_VERSION, "P", [2, 3]))

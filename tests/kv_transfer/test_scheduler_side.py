@@ -41,7 +41,7 @@ def test_an_idle_connector_skips_steps_and_sleeps(world):
     assert meta is not None and meta.poll_notifications  # leased blocks: the ranks poll
     assert c.wakeup_in(world.clock()) == LEASE_POLL_S
     world.clock.advance(10)
-    inst.step()  # the lease expired (blocks quarantined): the ranks are told to stop polling, once
+    inst.step()  # the lease expired (blocks freed): the ranks are told to stop polling, once
     assert not inst.workers[0]._polling and c.build_metadata() is None
 
 

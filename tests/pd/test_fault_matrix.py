@@ -221,6 +221,22 @@ def test_a_client_leaving_through_the_proxy_aborts_both_legs(proxy, one_slot_pro
         assert 0 < generated < 1500, f"decode went on without its client: {generated} tokens"
 
 
+def test_a_client_leaving_around_its_hand_off_leaves_no_lease_behind(producer):
+    """The client hangs up while its prefill runs; the prefill still ends in a hand-off, whose
+    params nobody will ever get: the lease goes at once, not after expiry and quarantine."""
+    expired = metric(producer, "pdserve:kv_leases_expired_total")
+    assert post_json(producer.url + "/debug/step_delay", {"seconds": 0.5})[0] == 200
+    try:
+        leave_after(producer.url, {"prompt": ids(30, 6), "max_tokens": 8,
+                                   "kv_transfer_params": {"do_remote_decode": True}}, 0.05)
+        s = wait_idle(producer, timeout_s=2.0)  # the lease alone would hold its blocks 3 s + 4 s
+    finally:
+        post_json(producer.url + "/debug/step_delay", {"seconds": 0})
+    assert s["num_free_blocks"] == s["num_blocks"] and s["num_quarantined_blocks"] == 0, s
+    assert s["kv_transfer"]["leases_active"] == 0
+    assert metric(producer, "pdserve:kv_leases_expired_total") == expired
+
+
 # --- instances that die, stop or come back ------------------------------------------------------
 
 def test_a_pool_with_a_dead_producer_serves_everything_and_the_producer_rejoins(tiny_model, logs, decode):

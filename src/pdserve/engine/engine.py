@@ -163,7 +163,7 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         request = self.scheduler.requests.get(request_id)
         if request is None:
-            return False
+            return self.connector.release_undelivered(request_id)
         if not self.connector.abort(request_id):  # else: it ends once every rank's READ has
             self._end(request, RequestStatus.FINISHED_ABORTED)
         return True
@@ -172,6 +172,8 @@ class Engine:
         """End a request outside a step (aborted, or failed with an error the client sees)."""
         self._finish(request, status)
         self._pending.append(RequestOutput(request.request_id, [], "", None, finished=True,
+        """Its caller will not deliver the request's answer. One that already ended in a P/D
+        hand-off gives its lease back (unless a consumer holds it): nobody has its params."""
                                            finish_reason=status.value, error=error,
                                            num_prompt_tokens=request.num_prompt_tokens))
 

@@ -3,8 +3,8 @@
 Engine process of a producer. Shared by two threads under one lock: the side-channel thread renews
 (heartbeats) and releases (consumer gave up); the engine thread records rank notifications, expires
 leases and frees blocks. A lease is freed when every expected (consumer rank, producer rank) read
-has been notified (a set: duplicates cannot free early), on release, or on expiry (docs/design.md,
-"Block lifecycle").
+has been notified (a set: duplicates cannot free early), on release, or on expiry (quarantined
+first if a consumer bound it) (docs/design.md, "Block lifecycle").
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class LeaseState(enum.Enum):
     HELD = "held"
     DONE = "done"  # every expected read notified: free now
     RELEASED = "released"  # the consumer gave up: free now
-    EXPIRED = "expired"  # no heartbeat in time: quarantine, then free
+    EXPIRED = "expired"  # no heartbeat in time: quarantine (if bound), then free
 
 
 _TRANSITIONS = {LeaseState.HELD: {LeaseState.DONE, LeaseState.RELEASED, LeaseState.EXPIRED}}
@@ -125,6 +125,17 @@ class LeaseTable:
             self.num_released += 1
             return True
 
+    def release_undelivered(self, request_id: str) -> bool:
+        """This producer's own client never got the params (it left): free the lease, unless a
+        consumer bound it anyway (then that consumer decides)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.state != LeaseState.HELD or lease.consumer_engine_id is not None:
+                return False
+            lease.move_to(LeaseState.RELEASED)
+            self.num_released += 1
+            return True
+
     def notify(self, producer_rank: int, sender: str, note: Notification) -> bool:
         """Record one rank's notification. False when it is unknown or late, or does not come from
         the consumer the lease is bound to (by its first heartbeat), from the agent of the rank it
@@ -150,14 +161,17 @@ class LeaseTable:
             return True
 
     def collect(self, now: float) -> tuple[list[Lease], list[Lease]]:
-        """Remove and return (leases to free now, leases that expired)."""
+        """Remove and return (leases to free now, leases to quarantine). An expired lease no
+        consumer ever bound is freed: only a bound consumer posts READs (within the heartbeats
+        this table acknowledged), so none can be in flight."""
         free, expired = [], []
         with self._lock:
             for rid, lease in list(self._leases.items()):
                 if lease.state == LeaseState.HELD and lease.deadline <= now:
                     lease.move_to(LeaseState.EXPIRED)
                     self.num_expired += 1
-                if lease.state in (LeaseState.DONE, LeaseState.RELEASED):
+                if lease.state in (LeaseState.DONE, LeaseState.RELEASED) or \
+                        (lease.state == LeaseState.EXPIRED and lease.consumer_engine_id is None):
                     free.append(self._leases.pop(rid))
                 elif lease.state == LeaseState.EXPIRED:
                     expired.append(self._leases.pop(rid))

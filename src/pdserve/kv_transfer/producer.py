@@ -4,9 +4,9 @@ After its first token, a request marked `do_remote_decode` hands its prompt's bl
 answers with `kv_transfer_params` (docs/design.md, "Wire"), signed when the deployment has a secret
 (docs/security.md). Notifications count only with a valid MAC and from the bound consumer's agent. The side-channel listener serves
 handshakes, heartbeats and releases. Leases that end (every expected read notified, or released)
-give their blocks back through the outcome buffer; expired ones send them to quarantine for twice
-the transfer timeout, so a READ posted just before expiry ends (or is abandoned by its reader)
-before the blocks can hold anyone else's KV.
+give their blocks back through the outcome buffer; expired ones a consumer bound send them to
+quarantine for twice the transfer timeout, so a READ posted just before expiry ends (or is abandoned
+by its reader) before the blocks can hold anyone else's KV.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Callable
 
 from pdserve.config import KVTransferConfig, is_loopback
 from pdserve.kv_transfer.handshake import answer_handshake
-from pdserve.kv_transfer.leases import LeaseTable
+from pdserve.kv_transfer.leases import LeaseState, LeaseTable
 from pdserve.kv_transfer.messages import (Fingerprint, HandshakeRequest, Heartbeat, HeartbeatAck,
                                           RankAgent, ReceivedNotification, Release, ReleaseAck)
 from pdserve.kv_transfer.outcomes import ConnectorOutcome, Handoff
@@ -82,6 +82,14 @@ class ProducerSide:
         return self.leases.release_unclaimed(params.remote_request_id, params.lease_digest())
 
     def process_notifications(self, received: list[ReceivedNotification], num_bad: int) -> None:
+    def release_undelivered(self, request_id: str) -> bool:
+        """The client of this producer's request left before its answer (the params) reached it:
+        free the lease now rather than at expiry, unless a consumer already bound it."""
+        released = self.leases.release_undelivered(request_id)
+        if released:
+            logger.info("lease of %s released: its client left before the answer was delivered", request_id)
+        return released
+
         self.num_bad_notifications += num_bad
         for r in received:
             note = r.notification
@@ -98,6 +106,9 @@ class ProducerSide:
         free, expired = self.leases.collect(now)
         for lease in free:
             self.outcome.free_blocks.extend(lease.block_ids)
+            if lease.state == LeaseState.EXPIRED:
+                logger.info("lease of %s expired before any consumer spoke for it; blocks freed "
+                            "(no READ can be in flight)", lease.request_id)
         for lease in expired:
             logger.warning("lease of %s expired before every read was notified; blocks "
                            "quarantined for %.0f s", lease.request_id, self.quarantine_s)

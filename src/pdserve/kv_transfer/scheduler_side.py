@@ -68,6 +68,10 @@ class SchedulerConnector:
     def request_finished(self, request_id: str) -> None:
         self.consumer.finished(request_id)
 
+    def release_undelivered(self, request_id: str) -> bool:
+        """A producer request that handed off was aborted: its client never got the params."""
+        return self.producer.release_undelivered(request_id)
+
     def release_handoff(self, params: KVTransferParams) -> bool:
         """The proxy found no decode instance for these params: free the lease, unless a consumer
         already holds it (then that consumer decides)."""
@@ -161,6 +165,9 @@ class NoConnector:
         pass
 
     def release_handoff(self, params: KVTransferParams) -> bool:
+        return False
+
+    def release_undelivered(self, request_id: str) -> bool:
         return False
 
     def num_leased_blocks(self) -> int:

@@ -113,7 +113,8 @@ class AsyncEngine:
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Fire and forget; the engine frees the request's blocks on its next turn."""
+        """Fire and forget; the engine frees the request's blocks on its next turn. Also for a
+        request that ended but whose answer did not reach its client (a P/D hand-off's lease)."""
         self._commands.put((lambda engine: engine.abort(request_id), None))
 
     async def call(self, fn: Callable[[Engine], object]):

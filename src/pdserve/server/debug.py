@@ -1,13 +1,14 @@
 """Test-only routes (`--enable-debug-endpoints`): engine counters and KV cache hooks on every rank.
 
 Server process. Never enabled by `pdserve up` unless asked; they let tests prove that decode used
-the transferred KV (perturb or checksum blocks) and count the remote agents each rank loaded.
+the transferred KV (perturb or checksum blocks), count the remote agents each rank loaded, and make
+model steps slow.
 """
 
 from __future__ import annotations
 
 from fastapi import FastAPI
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from pdserve.server.async_engine import AsyncEngine
 
@@ -18,6 +19,10 @@ class BlocksBody(BaseModel):
 
 
 def add_debug_routes(app: FastAPI, engine: AsyncEngine) -> None:
+class DelayBody(BaseModel):
+    seconds: float = Field(ge=0)
+
+
     @app.get("/debug/stats")
     async def stats():
         return await engine.call(lambda e: {**e.stats(), "engine_id": e.engine_id,
@@ -34,6 +39,17 @@ def add_debug_routes(app: FastAPI, engine: AsyncEngine) -> None:
         return {"ok": True}
 
     @app.get("/debug/gc_frozen")
+    @app.post("/debug/step_delay")
+    async def step_delay(body: DelayBody):
+        """Every model step from now on takes `seconds` longer on every rank (0: as before)."""
+        await engine.call(lambda e: e.executor.debug("step_delay", body.seconds))
+        return {"ok": True}
+
+    @app.get("/debug/kv_cached_hashes")
+    async def kv_cached_hashes():
+        """The hashes (64-bit event form) the prefix cache holds now, read from the pool itself."""
+        return {"block_hashes": await engine.call(lambda e: sorted(map(event_hash, e.pool.cached)))}
+
     async def gc_frozen():
         results = await engine.call(lambda e: e.executor.debug("gc_frozen"))
         return {"ranks": [r.value for r in results]}

@@ -191,7 +191,8 @@ class BaseServing:
 
     async def collect(self, raw_request, choices: list[Choice], streams: list) -> None:
         """Non-streaming: run every choice to its end (aborted if the client goes away); an engine
-        error in any of them is the response."""
+        error in any of them is the response. A P/D hand-off whose client has left by then gives
+        its lease back at once: nobody will get the params."""
         watcher = asyncio.create_task(self.watch_disconnect(raw_request, choices))
         try:
             async for _ in self.merged(choices, streams):
@@ -202,6 +203,9 @@ class BaseServing:
         if error:
             raise APIError(500, error)
 
+        if any(c.kv_transfer_params for c in choices) and await raw_request.is_disconnected():
+            for c in choices:
+                self.engine.abort(c.engine_id)
     async def events(self, choices: list[Choice], streams: list, chunk, usage_chunk=None):
         """Streaming: one SSE event per delta (`chunk(choice, out)`), an error event for a failed
         choice, the usage event if asked, then [DONE]."""

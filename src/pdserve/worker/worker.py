@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -67,6 +68,7 @@ class Worker:
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.sampler = Sampler(spec.vocab_size) if rank == 0 else None
         self.connector = None
+        self.step_delay_s = 0.0  # a test hook (`/debug/step_delay`): every model step takes this longer
         if config.kv_transfer is not None:
             self.connector = kv_connector(config.kv_transfer, spec, rank, tp_size, self.kv_cache,
                                                engine_id)
@@ -84,6 +86,8 @@ class Worker:
                 self.sampler.add(new.request_id, new.sampling)
         sampled = []
         if step.chunks:
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
             logits, request_ids = self.runner.execute(step.chunks)
             if self.sampler is not None and request_ids:
                 sampled = self.sampler.sample(logits, request_ids)
@@ -100,6 +104,9 @@ class Worker:
             return DebugResult(self.rank)
         if call.name == "gc_frozen":
             return DebugResult(self.rank, gc.get_freeze_count())
+        if call.name == "step_delay":  # a slow model, for tests of what must not wait for a step
+            self.step_delay_s = float(call.args[0])
+            return DebugResult(self.rank)
         if call.name == "loaded_peers":
             return DebugResult(self.rank, self.connector.loaded_peers() if self.connector else [])
         return DebugResult(self.rank, error=f"unknown debug call {call.name!r}")
