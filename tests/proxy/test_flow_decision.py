@@ -42,6 +42,13 @@ class FakeInstance:
         self.url = url
         self.gate, self.done = asyncio.Event(), asyncio.Event()
         self.bodies: list[dict] = []
+        self.in_use = 0
+
+    def hold(self) -> None:
+        self.in_use += 1
+
+    def unhold(self) -> None:
+        self.in_use -= 1
 
     async def post_json(self, path, body, headers):  # a producer's answer
         self.bodies.append(body)

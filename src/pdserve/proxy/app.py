@@ -23,7 +23,7 @@ from pdserve.proxy.decision import DisaggPolicy
 from pdserve.proxy.flow import PDFlow
 from pdserve.proxy.relay import parse_body
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.router import Router, UpstreamState
+from pdserve.proxy.router import Router, retire
 from pdserve.proxy.upstream import Upstream, UpstreamError
 
 logger = logging.getLogger("pdserve.proxy")
@@ -96,7 +96,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
             wanted[role] = list(dict.fromkeys(u.rstrip("/") for u in urls))
         for pool in (router.prefill, router.decode):
             for state in pool.set_members(wanted[pool.role], upstream):
-                closing.add(task := asyncio.ensure_future(_close_when_idle(state)))
+                closing.add(task := asyncio.ensure_future(retire(state)))
                 task.add_done_callback(closing.discard)
         return {"prefill": [s.url for s in router.prefill.states], "decode": [s.url for s in router.decode.states]}
 
@@ -124,11 +124,3 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     return app
 
-
-async def _close_when_idle(state: UpstreamState, poll_s: float = 0.5, limit_s: float = 3600.0) -> None:
-    """An instance that left the pool: its requests in flight finish first (a stream may be long)."""
-    waited = 0.0
-    while state.outstanding > 0 and waited < limit_s:
-        await asyncio.sleep(poll_s)
-        waited += poll_s
-    await state.upstream.close()

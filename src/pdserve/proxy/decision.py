@@ -42,7 +42,16 @@ def prompt_tokens(body: dict) -> int | None:
         return len(prompt) // CHARS_PER_TOKEN + 1
     messages = body.get("messages")
     if isinstance(messages, list):
-        chars = sum(len(m.get("content") or "") if isinstance(m, dict) and isinstance(m.get("content"), str)
-                    else 0 for m in messages)
+        chars = sum(_content_chars(m.get("content")) for m in messages if isinstance(m, dict))
         return chars // CHARS_PER_TOKEN + 8 * len(messages)  # the template adds a few tokens per turn
     return None
+
+
+def _content_chars(content) -> int:
+    """Characters of a message's content: a string, or a list of parts (the text parts count)."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part["text"]) for part in content
+                   if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return 0

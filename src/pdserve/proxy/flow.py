@@ -9,18 +9,23 @@ those params, and its answer goes to the client. When the producer's first token
 Upstream protocols: `pdserve` instances hand off after their first token whatever `max_tokens`
 says, so the client's body goes to them unchanged, and a client that wants one token is simply
 served by a producer without a transfer. `vllm` instances generate up to `max_tokens`, so they get
-`max_tokens: 1`, as vLLM's own proxy sends. `auto` asks the first prefill instance who it is.
+`max_tokens: 1`, as vLLM's own proxy sends. `auto` asks an instance that is up who it is (one
+question at a time, not again for `ASK_AGAIN_S` after no answer; pdserve until one answers).
 
 Failures (docs/design.md, "Failures"): each leg tries the pool's instances best first
-(router.py) while they refuse (503, other 5xx) or cannot be reached, before anything reaches the
-client; while every producer refuses the request waits (bounded); a decode leg that found no taker
-hands the producer's lease back at once (`/kv/release`), as does a client that leaves between the
-legs. A client that leaves cancels whichever leg runs.
+(router.py) while they refuse (503) or cannot be reached, before anything reaches the client; while
+every producer refuses the request waits (bounded). A producer's error (another 5xx) is not "busy":
+the others are tried once each, then the error is passed on. A decode leg is sent to one instance
+only once it may have arrived there (its params are single-use): if that instance then fails, the
+client gets a 502 naming it. A decode leg that found no taker hands the producer's lease back at once
+(`/kv/release`), as does a client that leaves between the legs. A client that leaves cancels
+whichever leg runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 
@@ -29,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.http.errors import APIError
 from pdserve.proxy.decision import LOCAL, DisaggPolicy, prompt_tokens
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.relay import as_stream, error_body, parse_body, relay
+from pdserve.proxy.relay import as_stream, carries_token, error_body, parse_body, relay
 from pdserve.proxy.router import Pool, Router, UpstreamState
 from pdserve.proxy.upstream import Reply, Stream, UpstreamError
 
@@ -40,6 +45,7 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
 PROTOCOLS = ("auto", "pdserve", "vllm")
 CLIENT_GONE = 499  # nginx's code: the client closed the connection
 EMPTY = "no instance"
+ASK_AGAIN_S = 5.0  # `auto`: after no answer about the protocol, requests go on as pdserve this long
 
 
 class _NoTaker(Exception):
@@ -66,16 +72,30 @@ class PDFlow:
         self.protocol = None if protocol == "auto" else protocol
         self.max_wait_s = max_wait_s
         self.policy = policy
+        self._asking: asyncio.Future | None = None  # `auto`: the question in flight
+        self._ask_after = 0.0
+        self._keys = itertools.count()
 
     async def upstream_protocol(self) -> str:
-        """`auto`: the first prefill instance's `owned_by` says (asked once; pdserve until known)."""
-        known = self.router.prefill.upstreams or self.router.decode.upstreams
-        if self.protocol is None and known:
-            owner = await known[0].owner()
+        """`auto`: the `owned_by` of an instance that is up says (pdserve until one answers)."""
+        if self.protocol is None:
+            if self._asking is None and time.monotonic() >= self._ask_after:
+                self._asking = asyncio.ensure_future(self._ask_protocol())
+            if self._asking is not None:
+                await asyncio.shield(self._asking)
+        return self.protocol or "pdserve"
+
+    async def _ask_protocol(self) -> None:
+        try:
+            up = [s for s in self.router.prefill.states + self.router.decode.states if s.healthy]
+            owner = await up[0].upstream.owner() if up else None
             if owner is not None:
                 self.protocol = "vllm" if owner == "vllm" else "pdserve"
-                logger.info("upstream protocol: %s (the prefill instance is owned by %r)", self.protocol, owner)
-        return self.protocol or "pdserve"
+                logger.info("upstream protocol: %s (%s is owned by %r)", self.protocol, up[0].url, owner)
+            else:
+                self._ask_after = time.monotonic() + ASK_AGAIN_S
+        finally:
+            self._asking = None
 
     async def handle(self, raw_body: bytes, path: str, request_id: str, is_disconnected) -> Response:
         """The client's answer; the legs are cancelled if the client leaves before it starts."""
@@ -89,6 +109,8 @@ class PDFlow:
             raise
         except _NoTaker as e:
             return e.error().response({"Retry-After": "1"} if e.refused else None)
+        except APIError as e:
+            return e.response()
         finally:
             watcher.cancel()
 
@@ -100,7 +122,8 @@ class PDFlow:
         protocol = await self.upstream_protocol()
         if protocol == "pdserve" and _max_tokens(body) == 1:  # nothing to decode: no transfer
             self.metrics.requests.labels("prefill_only").inc()
-            return await self._answer(self.router.prefill, path, body, headers, start)
+            pool = self.router.prefill if self.router.prefill.states else self.router.decode
+            return await self._answer(pool, path, body, headers, start)
         decision = LOCAL if not self.router.prefill.states else self.policy.decide(
             prompt_tokens(body), self.router.decode.least_prefilling(), self.router.prefill.least_queued())
         self.metrics.decisions.labels(decision).inc()
@@ -133,6 +156,7 @@ class PDFlow:
         # (a vLLM producer without a connector returns no params: decode then does it all)
         self.metrics.requests.labels("disaggregated" if kv else "decode_only").inc()
         taken = False
+        producer.upstream.hold()  # its client stays open while its lease may have to go back
         try:
             response = await self._answer(self.router.decode, path, {**body, "kv_transfer_params": kv}
                                           if kv else body, headers, start)
@@ -141,14 +165,24 @@ class PDFlow:
         finally:
             if kv and not taken:  # no decode instance took it: free the producer's blocks now
                 self._release(producer, kv, headers)
+            producer.upstream.unhold()
 
     # --- legs -----------------------------------------------------------------------------------
 
     async def _post(self, pool: Pool, path: str, body: dict, headers: dict,
                     prefills: bool = False) -> tuple[UpstreamState, Reply]:
-        """The first whole answer that is not a refusal."""
-        state, resp = await self._take(pool, lambda u: u.post_json(path, body, headers), prefills)
-        self._count(pool, state, -1, prefills)
+        """The first whole answer that is not a refusal (`prefills`: the prompt is prefilled there;
+        no first token is seen, so it counts until the instance's next report or the answer)."""
+        async def send(state: UpstreamState) -> Reply:
+            key = next(self._keys)
+            if prefills:
+                state.unseen[key] = time.monotonic()
+            try:
+                return await state.upstream.post_json(path, body, headers)
+            finally:
+                state.unseen.pop(key, None)
+        state, resp = await self._take(pool, send)
+        self._count(pool, state, -1)
         return state, resp
 
     async def _answer(self, pool: Pool, path: str, body: dict, headers: dict, start: float,
@@ -159,7 +193,7 @@ class PDFlow:
             _, resp = await self._post(pool, path, body, headers, prefills)
             self.metrics.e2e.observe(time.monotonic() - start)
             return _passed_on(resp, headers)
-        state, resp = await self._take(pool, lambda u: u.open_stream(path, body, headers), prefills)
+        state, resp = await self._take(pool, lambda s: s.upstream.open_stream(path, body, headers), prefills)
         if resp.status_code != 200:
             detail = (await resp.read()).decode(errors="replace")
             await resp.close()
@@ -185,32 +219,49 @@ class PDFlow:
             pause = min(1.0, pause * 2)
 
     async def _take_once(self, pool: Pool, send, prefills: bool) -> tuple[UpstreamState, Reply | Stream]:
-        last, refused = EMPTY, False
+        """One try of every instance. A producer's error answer is kept and, if nobody takes the
+        request, passed on (it ends the wait: it is no refusal)."""
+        last, refused, failed = EMPTY, False, None
         for i, state in enumerate(pool.candidates()):
+            if state not in pool.states:  # it left the pool while an earlier one was tried
+                continue
             if i:
                 self.metrics.retries.labels(pool.role).inc()
             self._count(pool, state, +1, prefills)
             try:
-                resp = await send(state.upstream)
+                resp = await send(state)
             except UpstreamError as e:
                 self._count(pool, state, -1, prefills)
-                self._unreachable(pool, state, e)
+                self._failed(pool, state, e)
+                if e.sent and pool.role == "decode":  # it may hold the single-use params now
+                    raise APIError(502, f"decode instance {state.url} failed after taking the request: {e}") \
+                        from None
                 last = str(e)
                 continue
-            if _refused(pool, resp):
-                await resp.close()
+            if resp.status_code == 503 or (pool.role == "prefill" and resp.status_code >= 500
+                                           and resp.status_code != 504):
                 self._count(pool, state, -1, prefills)
-                self.metrics.upstream_requests.labels(pool.role, state.url, "refused").inc()
-                refused, last = True, f"{state.url} answered {resp.status_code}"
+                outcome = "refused" if resp.status_code == 503 else "failed"
+                self.metrics.upstream_requests.labels(pool.role, state.url, outcome).inc()
+                if outcome == "refused":
+                    await resp.close()
+                    refused, last = True, f"{state.url} answered {resp.status_code}"
+                else:
+                    if failed is not None:
+                        await failed[1].close()
+                    failed = (state, resp)
                 continue
             self.metrics.upstream_requests.labels(pool.role, state.url, "ok").inc()
             return state, resp
+        if failed is not None:
+            self._count(pool, failed[0], +1, prefills)  # the caller counts it down with its answer
+            return failed
         raise _NoTaker(pool.role, refused, last)
 
     async def _stream(self, pool: Pool, state: UpstreamState, resp: Stream, start: float, prefills: bool):
         try:
             async for chunk in relay(resp, pool.role, state.url, self.metrics, start):
-                if prefills and _carries_token(chunk):  # that prompt's prefill is done
+                if prefills and carries_token(chunk):  # that prompt's prefill is done
                     state.prefilling -= 1
                     prefills = False
                 yield chunk
@@ -221,7 +272,8 @@ class PDFlow:
     # --- bookkeeping ------------------------------------------------------------------------------
 
     def _release(self, producer: UpstreamState, kv: dict, headers: dict) -> None:
-        """Hand a lease back to its producer (a task of its own: a client that left cannot stop it)."""
+        """Hand a lease back to its producer (a task of its own: a client that left cannot stop it;
+        the producer's client stays open until it is done)."""
         async def release():
             try:
                 r = await producer.upstream.post_json("/kv/release", {"kv_transfer_params": kv}, headers)
@@ -229,12 +281,19 @@ class PDFlow:
                     self.metrics.releases.inc()
             except (UpstreamError, ValueError) as e:
                 logger.info("could not hand the lease back to %s: %s", producer.url, e)
+            finally:
+                producer.upstream.unhold()
+        producer.upstream.hold()
         asyncio.ensure_future(release())
 
-    def _unreachable(self, pool: Pool, state: UpstreamState, error: Exception) -> None:
-        pool.mark_down(state, str(error))
+    def _failed(self, pool: Pool, state: UpstreamState, error: UpstreamError) -> None:
+        """A call that broke. An instance that did not answer in time may be alive and busy: it
+        stays up; any other failure marks it down until a probe finds it up."""
+        if not error.timeout:
+            pool.mark_down(state, str(error))
         self.metrics.upstream_errors.labels(pool.role).inc()
-        self.metrics.upstream_requests.labels(pool.role, state.url, "unreachable").inc()
+        self.metrics.upstream_requests.labels(pool.role, state.url, "timeout" if error.timeout
+                                              else "unreachable").inc()
 
     def _count(self, pool: Pool, state: UpstreamState, delta: int, prefills: bool = False) -> None:
         state.outstanding += delta
@@ -249,21 +308,6 @@ async def _cancel_when_gone(is_disconnected, task: asyncio.Future, every_s: floa
             task.cancel()
             return
         await asyncio.sleep(every_s)
-
-
-def _refused(pool: Pool, resp: Reply | Stream) -> bool:
-    """An answer that means "ask someone else": busy (503); for a producer also a failure before it
-    did anything (other 5xx). A decode instance's 5xx came after it took the request: passed on."""
-    if pool.role == "decode":
-        return resp.status_code == 503
-    return resp.status_code >= 500 and resp.status_code != 504
-
-
-def _carries_token(chunk: bytes) -> bool:
-    """An SSE chunk with an event other than a chat stream's opening role delta (sent before the
-    prompt is prefilled) or the end."""
-    return any(e.startswith(b"data: ") and e != b"data: [DONE]" and b'"role"' not in e
-               for e in chunk.split(b"\n\n"))
 
 
 def _passed_on(resp: Reply, headers: dict) -> Response:

@@ -36,14 +36,39 @@ def error_body(status: int, detail: str) -> dict:
         return APIError(status, detail).body()
 
 
+def carries_token(chunk: bytes) -> bool:
+    """Whether an SSE chunk has an event that follows the prompt's prefill: a token (chat deltas after
+    the opening one, which has only the role and is sent before the prompt is prefilled; pdserve
+    sends `"role": null` in every later delta), an end or an error. A usage-only event or [DONE]
+    alone is not one."""
+    for event in chunk.split(b"\n\n"):
+        if not event.startswith(b"data: ") or event == b"data: [DONE]":
+            continue
+        try:
+            body = json.loads(event[6:])
+        except ValueError:
+            return True  # not ours to judge: something came back
+        if not isinstance(body, dict) or "error" in body:
+            return True
+        for choice in body.get("choices") or ():
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            if not isinstance(delta, dict) or not delta.get("role") or delta.get("content") \
+                    or choice.get("finish_reason") is not None or delta.get("tool_calls"):
+                return True
+    return False
+
+
 async def relay(resp: Stream, role: str, url: str, m: ProxyMetrics, start: float):
-    """An instance's SSE events, as they come; a broken stream ends with an error event."""
+    """An instance's SSE events, as they come, timed from the first that carries a token; a broken
+    stream ends with an error event."""
     first = last = None
     events = 0
     try:
         async for chunk in resp.chunks():
             now = time.monotonic()
             n = chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
+            if first is None and not carries_token(chunk):
+                n = 0
             if n > 0:
                 if first is None:
                     first = now

@@ -30,6 +30,8 @@ class UpstreamState:
     queued: int = 0  # waiting requests the instance reported (queue + waiting for KV)
     waiting: int = 0  # ... of which waiting to be prefilled there
     prefilling: int = 0  # prompts this proxy sent there to prefill that have no first token yet
+    unseen: dict = dataclasses.field(default_factory=dict)  # whole-answer prefills sent there since
+    # the last probe began (key -> monotonic time): no first token is seen, the next report counts them
     kv_usage: float = 0.0  # fraction of its KV blocks in use, as reported
     last_probe: float = 0.0
 
@@ -78,8 +80,10 @@ class Pool:
         there with no first token back yet, or what the instance reported waiting, whichever is more
         (the report also counts other proxies' requests, but is up to a probe old). Streams an
         instance is already generating are not counted: a decode instance with many of them may
-        still have time for a short prefill."""
-        return min((max(s.prefilling, s.waiting) for s in self.states if s.healthy), default=1 << 30)
+        still have time for a short prefill. Prompts whose answer comes whole count until a probe
+        that began after they were sent."""
+        return min((max(s.prefilling, s.waiting) + len(s.unseen) for s in self.states if s.healthy),
+                   default=1 << 30)
 
     def mark_down(self, state: UpstreamState, reason: str) -> None:
         if state.healthy:
@@ -88,8 +92,10 @@ class Pool:
 
     async def probe(self) -> dict[str, bool]:
         """Ask every instance how it is; returns url -> healthy."""
-        results = await asyncio.gather(*(s.upstream.health() for s in self.states))
-        for state, (healthy, load) in zip(self.states, results):
+        began = time.monotonic()
+        states = list(self.states)
+        results = await asyncio.gather(*(s.upstream.health() for s in states))
+        for state, (healthy, load) in zip(states, results):
             if healthy and not state.healthy:
                 logger.info("%s instance %s is back", self.role, state.url)
             state.healthy = healthy
@@ -98,7 +104,18 @@ class Pool:
                 state.waiting = int(load.get("num_waiting", 0))
                 state.queued = state.waiting + int(load.get("num_waiting_for_remote_kv", 0))
                 state.kv_usage = float(load.get("kv_cache_usage", 0.0))
-        return {s.url: s.healthy for s in self.states}
+                state.unseen = {k: t for k, t in state.unseen.items() if t >= began}  # in its report now
+        return {s.url: s.healthy for s in states}
+
+
+async def retire(state: UpstreamState, poll_s: float = 0.5, limit_s: float = 3600.0) -> None:
+    """An instance that left the pool: its client closes once no request uses it (streams may be
+    long) and no lease it handed out may still have to go back."""
+    waited = 0.0
+    while (state.outstanding > 0 or state.upstream.in_use > 0) and waited < limit_s:
+        await asyncio.sleep(poll_s)
+        waited += poll_s
+    await state.upstream.close()
 
 
 class Router:

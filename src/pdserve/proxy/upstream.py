@@ -3,7 +3,10 @@
 Proxy process (event loop). One aiohttp session per upstream, made on first use (inside the loop)
 and reused by every request: its C parser costs about half of httpx's time per call here, and the
 proxy pays it twice per request (bench/proxy_overhead.py). The rest of the proxy sees only
-`Reply` (a whole answer), `Stream` (an answer arriving) and `UpstreamError`.
+`Reply` (a whole answer), `Stream` (an answer arriving) and `UpstreamError`, which says whether the
+request may have reached the instance (only one that surely did not may be sent elsewhere).
+An upstream that leaves the pool is closed once nothing uses it (`in_use`: calls in flight, open
+streams, and holds the flow takes while a lease it handed out may still have to go back).
 """
 
 from __future__ import annotations
@@ -25,15 +28,24 @@ def _encode(body: dict) -> bytes:
 
 
 class UpstreamError(RuntimeError):
-    """The upstream could not be reached or broke the connection (the proxy answers 502)."""
+    """The upstream could not be reached or broke the connection (the proxy answers 502).
+    `sent`: the request may have reached it (the connection was made); `timeout`: no bytes came
+    within the read timeout (the instance may be alive and still working on it)."""
+
+    def __init__(self, message: str, sent: bool = True, timeout: bool = False):
+        super().__init__(message)
+        self.sent, self.timeout = sent, timeout
 
 
 @contextlib.contextmanager
-def _failing_as_upstream_error(where: str):
+def _failing_as_upstream_error(where: str, sending: bool = False):
+    """`sending`: the block sends a request, so a failure to connect means it was never sent."""
     try:
         yield
     except _FAILURES as e:
-        raise UpstreamError(f"{where}: {type(e).__name__}: {e}") from e
+        never_sent = sending and isinstance(e, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
+        timeout = isinstance(e, asyncio.TimeoutError) and not never_sent
+        raise UpstreamError(f"{where}: {type(e).__name__}: {e}", sent=not never_sent, timeout=timeout) from e
 
 
 class Reply:
@@ -55,9 +67,10 @@ class Stream:
     holds it closes it: a stream not read to its end closes the connection, so the instance sees
     the client leave."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, where: str):
+    def __init__(self, resp: aiohttp.ClientResponse, where: str, upstream: "Upstream"):
         self._resp = resp
         self._where = where
+        self._upstream: Upstream | None = upstream  # held until closed
         self.status_code = resp.status
 
     async def chunks(self):
@@ -75,6 +88,9 @@ class Stream:
             self._resp.release()  # read whole: the connection goes back to the pool
         else:
             self._resp.close()
+        if self._upstream is not None:
+            self._upstream.unhold()
+            self._upstream = None
 
 
 class Upstream:
@@ -84,9 +100,20 @@ class Upstream:
         # no total limit (a stream may be long); each connect and each wait for bytes is bounded
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self.in_use = 0  # calls in flight, open streams and holds (see `hold`)
+        self.closed = False
+
+    def hold(self) -> None:
+        """Keep the client open (a lease this instance handed out may still have to go back)."""
+        self.in_use += 1
+
+    def unhold(self) -> None:
+        self.in_use -= 1
 
     @property
     def session(self) -> aiohttp.ClientSession:
+        if self.closed:
+            raise UpstreamError(f"{self.url}: the instance left the pool", sent=False)
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 headers=self._headers, timeout=self._timeout, auto_decompress=False,
@@ -95,12 +122,18 @@ class Upstream:
 
     async def _request(self, method: str, path: str, body: dict | None, headers: dict | None,
                        timeout_s: float | None = None) -> Reply:
-        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
+        # (aiohttp reads timeout=None as "no timeout at all": pass one only to replace the session's)
+        timeout = {"timeout": aiohttp.ClientTimeout(total=timeout_s)} if timeout_s else {}
         data = None if body is None else _encode(body)
-        with _failing_as_upstream_error(self.url + path):
-            async with self.session.request(method, self.url + path, data=data, timeout=timeout,
-                                            headers={**(headers or {}), **_JSON} if data else headers) as r:
-                return Reply(r.status, await r.read())
+        self.hold()
+        try:
+            with _failing_as_upstream_error(self.url + path, sending=True):
+                async with self.session.request(method, self.url + path, data=data, **timeout,
+                                                headers={**(headers or {}), **_JSON} if data else headers) as r:
+                    with _failing_as_upstream_error(self.url + path):  # it has answered: it was sent
+                        return Reply(r.status, await r.read())
+        finally:
+            self.unhold()
 
     async def post_json(self, path: str, body: dict, headers: dict) -> Reply:
         return await self._request("POST", path, body, headers)
@@ -109,9 +142,14 @@ class Upstream:
         return await self._request("GET", path, None, None, timeout_s)
 
     async def open_stream(self, path: str, body: dict, headers: dict) -> Stream:
-        with _failing_as_upstream_error(self.url + path):
-            resp = await self.session.post(self.url + path, data=_encode(body), headers={**headers, **_JSON})
-        return Stream(resp, self.url + path)
+        self.hold()
+        try:
+            with _failing_as_upstream_error(self.url + path, sending=True):
+                resp = await self.session.post(self.url + path, data=_encode(body), headers={**headers, **_JSON})
+        except BaseException:
+            self.unhold()
+            raise
+        return Stream(resp, self.url + path, self)
 
     async def owner(self) -> str | None:
         """`owned_by` of the instance's first model ("pdserve", "vllm", ...); None if unknown."""
@@ -135,5 +173,6 @@ class Upstream:
         return True, body.get("load") if isinstance(body, dict) else None
 
     async def close(self) -> None:
+        self.closed = True
         if self._session is not None:
             await self._session.close()

@@ -122,23 +122,27 @@ class BaseServing:
     # --- engine requests ------------------------------------------------------------------------
 
     async def start(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                    kv: KVTransferParams | None) -> tuple[list[Choice], list]:
-        """Add every (prompt, sample) engine request; on any rejection, abort those already added."""
+                    kv: KVTransferParams | None, cache_salt: str | None = None) -> tuple[list[Choice], list]:
+        """Add every (prompt, sample) engine request; on any rejection, abort those already added.
+        Engine request ids are this instance's own (a P/D producer hands its id to the consumer as
+        `remote_request_id`): the client's X-Request-Id may be long or reused, so it only names
+        the request in the logs."""
         choices, streams = [], []
-        suffix = uuid.uuid4().hex[:6]
+        suffix = uuid.uuid4().hex
         try:
             for p_index, prompt in enumerate(prompts):
                 for i in range(params.n):
                     index = p_index * params.n + i
                     seed = None if params.seed is None else params.seed + i
                     sub = replace(params, n=1, seed=seed)
-                    engine_id = f"{request_id}-{index}-{suffix}"
-                    streams.append(await self.engine.add_request(engine_id, prompt, sub, kv))
+                    engine_id = f"{suffix}-{index}"
+                    streams.append(await self.engine.add_request(engine_id, prompt, sub, kv, cache_salt))
                     choices.append(Choice(index, engine_id))
         except BaseException:
             for s in streams:
                 self.engine.abort(s.request_id)
             raise
+        logger.debug("request %s: engine requests %s-0..%d", request_id, suffix, len(choices) - 1)
         self.metrics.prompt_tokens.labels(self.model_name).inc(
             sum(len(p) for p in prompts) * params.n)
         return choices, streams
@@ -199,13 +203,13 @@ class BaseServing:
                 pass
         finally:
             watcher.cancel()
+        if any(c.kv_transfer_params for c in choices) and await raw_request.is_disconnected():
+            for c in choices:
+                self.engine.abort(c.engine_id)
         error = next((c.error for c in choices if c.error), None)
         if error:
             raise APIError(500, error)
 
-        if any(c.kv_transfer_params for c in choices) and await raw_request.is_disconnected():
-            for c in choices:
-                self.engine.abort(c.engine_id)
     async def events(self, choices: list[Choice], streams: list, chunk, usage_chunk=None):
         """Streaming: one SSE event per delta (`chunk(choice, out)`), an error event for a failed
         choice, the usage event if asked, then [DONE]."""
