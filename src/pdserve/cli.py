@@ -1,7 +1,7 @@
 """`pdserve` command line: make-model, generate, serve, proxy, up, ray, bench.
 
-Reads the environment (PDSERVE_HOME, PDSERVE_API_KEY, PDSERVE_KV_SECRET, PDSERVE_ADMIN_KEY);
-launchers pass PDSERVE_KV_SECRET on to the instances they start.
+Reads the environment (PDSERVE_HOME, PDSERVE_API_KEY, PDSERVE_KV_SECRET, PDSERVE_KV_SECRET_PREVIOUS,
+PDSERVE_ADMIN_KEY); launchers pass PDSERVE_KV_SECRET on to the instances they start.
 Each subcommand builds frozen configs and hands them to its entry point.
 """
 
@@ -86,6 +86,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-handshake-timeout-s", type=float, default=10.0)
     p.add_argument("--kv-transfer-timeout-s", type=float, default=30.0)
     p.add_argument("--kv-load-failure-policy", default="fail", choices=["fail", "recompute"])
+    p.add_argument("--kv-clock-skew-s", type=float, default=5.0,
+                   help="signed params are still accepted this long after their expiry (the producer's "
+                        "and this host's clocks may differ; at most 300)")
     p.add_argument("--kv-producers", default=None, metavar="HOST:PORT,...",
                    help="side channels this instance may dial as a consumer (default: any whose params "
                         "are signed)")
@@ -100,6 +103,7 @@ def engine_config(args) -> EngineConfig:
     kv = None
     if not args.no_kv_transfer:
         secret = os.environ.get("PDSERVE_KV_SECRET")
+        previous = os.environ.get("PDSERVE_KV_SECRET_PREVIOUS")  # accepted, never signed with (rotation)
         kv = KVTransferConfig(
             side_channel_host=args.side_channel_host, side_channel_port=args.side_channel_port,
             advertised_host=args.advertised_host, lease_s=args.kv_lease_s,
@@ -107,6 +111,7 @@ def engine_config(args) -> EngineConfig:
             transfer_timeout_s=args.kv_transfer_timeout_s,
             failure_policy=args.kv_load_failure_policy, copy_lanes=args.kv_copy_lanes,
             secret=secret.encode() if secret else None,
+            previous_secret=previous.encode() if previous else None, clock_skew_s=args.kv_clock_skew_s,
             producers=tuple(p for p in (args.kv_producers or "").split(",") if p),
             allow_insecure=args.allow_insecure_side_channel)
     cpus = parse_cpus(args.cpus)

@@ -75,6 +75,7 @@ class ParallelConfig:
 
 
 FAILURE_POLICIES = ("fail", "recompute")
+MAX_CLOCK_SKEW_S = 300.0  # beyond that the hosts' clocks need fixing, not a larger allowance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,8 @@ class KVTransferConfig:
     transfer_timeout_s: float = 30.0
     failure_policy: str = "fail"
     secret: bytes | None = None  # signs params, side-channel frames and notifications
+    previous_secret: bytes | None = None  # also accepted (never used to sign): rotation without a restart
+    clock_skew_s: float = 5.0  # how long after their expiry signed params are still accepted (hosts' clocks)
     backend: str = "UCX"
     copy_lanes: int = 1  # NIXL agents (one thread each) a consumer rank splits large READs across
     producers: tuple[str, ...] = ()  # "host:port" side channels a consumer may dial (empty: any signed)
@@ -100,6 +103,10 @@ class KVTransferConfig:
                f"{self.side_channel_host} is reachable from other hosts but no shared secret is set "
                "(PDSERVE_KV_SECRET); anyone reaching it could read this instance's KV cache. Set a "
                "secret, or pass --allow-insecure-side-channel")
+        _check(self.previous_secret is None or self.secret is not None, "previous_secret",
+               "needs a current secret (PDSERVE_KV_SECRET) too")
+        _check(0 <= self.clock_skew_s <= MAX_CLOCK_SKEW_S, "kv_clock_skew_s",
+               f"must be in [0, {MAX_CLOCK_SKEW_S:g}] s, got {self.clock_skew_s}")
         _check(self.copy_lanes >= 1, "kv_copy_lanes", f"must be at least 1, got {self.copy_lanes}")
         _check(self.failure_policy in FAILURE_POLICIES, "kv_load_failure_policy",
                f"must be one of {FAILURE_POLICIES}, got {self.failure_policy!r}")

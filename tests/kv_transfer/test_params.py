@@ -46,3 +46,82 @@ def test_not_an_object():
     with pytest.raises(InvalidRequestError) as e:
         KVTransferParams.parse([1, 2])
     assert e.value.field == "kv_transfer_params"
+
+
+# --- signed params: canonical numbers, clock skew, a secret rotated without a restart ---------------
+
+def signed(secret: bytes, lease_s: float = 30.0, expires_at: float = 2000.0) -> dict:
+    import dataclasses
+
+    from pdserve.kv_transfer.signing import sign
+    p = dataclasses.replace(KVTransferParams.parse(GOOD), lease_s=lease_s, expires_at=expires_at)
+    return dataclasses.replace(p, signature=sign(p, secret)).to_json()
+
+
+def check(params: dict, secret: bytes | None, now: float = 1000.0, **kw) -> None:
+    from pdserve.kv_transfer.signing import verify
+    verify(KVTransferParams.parse(params), secret, now, **kw)
+
+
+def test_a_number_signs_the_same_whether_int_or_float():
+    check(signed(b"s", lease_s=30), b"s")  # the Python API's lease_s=30 arrives as 30.0
+    check(signed(b"s", expires_at=2000), b"s")
+    assert signed(b"s", lease_s=30)["signature"] == signed(b"s", lease_s=30.0)["signature"]
+
+
+def test_expiry_allows_bounded_clock_skew_and_says_by_how_much():
+    params = signed(b"s", expires_at=1000.0)
+    check(params, b"s", now=1003.0, skew_s=5.0)  # the producer's clock is 3 s behind this host's
+    with pytest.raises(InvalidRequestError) as e:
+        check(params, b"s", now=1012.5, skew_s=5.0)
+    assert e.value.field == "kv_transfer_params.expires_at"
+    assert "expired 12.5 s ago" in str(e.value) and "clock skew" in str(e.value), str(e.value)
+    with pytest.raises(InvalidRequestError):
+        check(params, b"s", now=1000.5)  # no allowance unless configured
+    from pdserve.config import ConfigError, KVTransferConfig
+    assert KVTransferConfig().clock_skew_s == 5.0
+    with pytest.raises(ConfigError, match="kv_clock_skew_s"):  # bounded: a larger gap needs NTP, not this
+        KVTransferConfig(clock_skew_s=3600.0)
+
+
+def test_a_secret_rotates_without_restarting_every_instance():
+    """Sign with the current secret, verify with the current or the previous one."""
+    for signer, verifier, previous, ok in [
+        (b"old", b"new", b"old", True),  # rolled verifier, producer not yet rolled
+        (b"new", b"old", b"new", True),  # phase 1 of the roll: the new secret accepted, not yet used
+        (b"new", b"new", b"old", True),
+        (b"new", b"old", None, False),  # not rolled at all
+        (b"other", b"new", b"old", False),
+    ]:
+        if ok:
+            check(signed(signer), verifier, previous=previous)
+        else:
+            with pytest.raises(InvalidRequestError) as e:
+                check(signed(signer), verifier, previous=previous)
+            assert e.value.field == "kv_transfer_params.signature"
+    from pdserve.config import ConfigError, KVTransferConfig
+    with pytest.raises(ConfigError, match="previous_secret"):
+        KVTransferConfig(previous_secret=b"old")
+
+
+def test_notifications_verify_with_either_secret():
+    from pdserve.kv_transfer.messages import Notification, NotificationKind
+    from pdserve.kv_transfer.signing import notification_mac_ok, sign_notification
+    note = sign_notification(Notification("r", "c", 0, 1, NotificationKind.DONE), b"old")
+    assert notification_mac_ok(note, b"new", previous=b"old")
+    assert not notification_mac_ok(note, b"new")
+    assert not notification_mac_ok(sign_notification(note, b"other"), b"new", previous=b"old")
+
+
+def test_a_transfer_between_instances_mid_rotation(world):
+    """Phase 2 of the roll: the producer signs with the new secret, the consumer still with the old
+    one; the params are accepted, the READ happens, and the consumer's notifications free the lease."""
+    p = world.instance("P", 1, secret=b"new", previous_secret=b"old", lease_s=30)
+    d = world.instance("D", 1, secret=b"old", previous_secret=b"new")
+    d.receive("r1", p.prefill("p1", 10))
+    d.admit("r1", 10)
+    world.run()
+    assert d.outcome("r1").result.name == "LOADED"
+    d.finish("r1")
+    world.run(2)
+    assert p.num_free == p.pool.num_blocks and not p.connector.producer.has_leases

@@ -56,3 +56,22 @@ def test_timeout_and_concurrency():
         client.close()
         slow.close()
         fast.close()
+
+
+def test_a_secret_rotates_on_the_side_channel():
+    """Each side signs with its current secret and accepts its previous one too, so instances
+    rolled to a new secret and instances not yet rolled keep talking (docs/security.md)."""
+    server = SideChannelServer("127.0.0.1", 0, b"new", lambda m: HeartbeatAck([LeaseAnswer.HELD], 30.0, 60.0),
+                               previous=b"old")
+    not_rolled = SideChannelClient(b"old", previous=b"new")  # phase 1: accepts new, signs old
+    rolled = SideChannelClient(b"new", previous=b"old")
+    stranger = SideChannelClient(b"other", previous=b"old2")
+    try:
+        assert isinstance(_ask(not_rolled, server.port), HeartbeatAck)
+        assert isinstance(_ask(rolled, server.port), HeartbeatAck)
+        assert not isinstance(_ask(stranger, server.port), HeartbeatAck)
+        assert server.num_refused == 1
+    finally:
+        for c in (not_rolled, rolled, stranger):
+            c.close()
+        server.close()

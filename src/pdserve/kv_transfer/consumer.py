@@ -64,7 +64,8 @@ class ConsumerSide:
     def add(self, request_id: str, params: KVTransferParams) -> None:
         """The engine accepts a request with these params: refuse (InvalidRequestError) or start
         keeping the producer's lease alive."""
-        verify(params, self.config.secret, time.time())  # before anything is dialed
+        verify(params, self.config.secret, time.time(), previous=self.config.previous_secret,
+               skew_s=self.config.clock_skew_s)  # before anything is dialed
         if self.config.producers and f"{params.remote_host}:{params.remote_port}" not in self.config.producers:
             raise InvalidRequestError("kv_transfer_params.remote_host",
                                       f"{params.remote_host}:{params.remote_port} is not one of this "

@@ -2,8 +2,9 @@
 
 Engine processes of both sides. A request is [mac, header, body]: header = the client's random id
 (16 bytes) + a sequence number (8 bytes, counting up); body = msgpack of one typed message. A reply
-echoes the header. With a shared secret the MAC is HMAC-SHA256 over header + body, and the server
-refuses a sequence number it has already seen from that client (a replayed capture). Frames have a
+echoes the header. With a shared secret the MAC is HMAC-SHA256 over header + body (made with the
+current secret, accepted under the current or the previous one), and the server refuses a sequence
+number it has already seen from that client (a replayed capture). Frames have a
 maximum size (ZMQ drops the connection that sends a larger one) and messages bound their lists, so
 no message can make a peer do unbounded work.
 """
@@ -44,8 +45,12 @@ def mac(secret: bytes | None, head: bytes, body: bytes) -> bytes:
     return hmac.new(secret, head + body, hashlib.sha256).digest() if secret else b""
 
 
-def verify(secret: bytes | None, tag: bytes, head: bytes, body: bytes) -> bool:
-    return not secret or hmac.compare_digest(tag, mac(secret, head, body))
+def verify(secret: bytes | None, tag: bytes, head: bytes, body: bytes, previous: bytes | None = None) -> bool:
+    """The MAC is the current secret's or, while a secret rotates, the previous one's."""
+    if not secret:
+        return True
+    ok = hmac.compare_digest(tag, mac(secret, head, body))
+    return (previous is not None and hmac.compare_digest(tag, mac(previous, head, body))) | ok
 
 
 def encode_request(secret: bytes | None, client_id: bytes, seq: int, msg) -> list[bytes]:

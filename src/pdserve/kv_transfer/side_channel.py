@@ -43,21 +43,22 @@ class SideChannelError(RuntimeError):
 class ZmqNetwork:
     """The side channel's real network: ZMQ over TCP, HMAC-signed when a secret is set."""
 
-    def __init__(self, secret: bytes | None):
+    def __init__(self, secret: bytes | None, previous: bytes | None = None):
         self.secret = secret
+        self.previous = previous  # accepted too while the secret rotates (docs/security.md)
 
     def serve(self, host: str, port: int, handler: Callable[[object], object]) -> "SideChannelServer":
-        return SideChannelServer(host, port, self.secret, handler)
+        return SideChannelServer(host, port, self.secret, handler, self.previous)
 
     def client(self) -> "SideChannelClient":
-        return SideChannelClient(self.secret)
+        return SideChannelClient(self.secret, self.previous)
 
 
 class SideChannelServer:
     """Answers requests with `handler(request) -> reply`, called on the server thread."""
 
     def __init__(self, host: str, port: int, secret: bytes | None,
-                 handler: Callable[[object], object]):
+                 handler: Callable[[object], object], previous: bytes | None = None):
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -68,6 +69,7 @@ class SideChannelServer:
         self._sock.bind(endpoint)
         self.port = int(self._sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self._secret = secret
+        self._previous = previous
         self._handler = handler
         self._replays = ReplayWindow()
         self._logged: dict[str, float] = {}
@@ -100,7 +102,7 @@ class SideChannelServer:
         if len(frames) != 3 or parse_header(frames[1]) is None:
             return self._refuse("malformed frames", "malformed request: expected [mac, header, body] frames")
         tag, head, body = frames
-        if not verify(self._secret, tag, head, body):
+        if not verify(self._secret, tag, head, body, self._previous):
             return self._refuse("unauthenticated", "unauthenticated: the request's HMAC is missing or wrong "
                                                    "(is the same shared secret set on both sides?)")
         if self._secret is not None and not self._replays.accept(*parse_header(head)):
@@ -128,8 +130,9 @@ class SideChannelClient:
     """Asynchronous request/reply to many producers from one thread. `send` returns at once;
     `on_reply(reply_or_exception)` is called on the client thread."""
 
-    def __init__(self, secret: bytes | None):
+    def __init__(self, secret: bytes | None, previous: bytes | None = None):
         self._secret = secret
+        self._previous = previous
         self._client_id = new_client_id()
         self._ctx = zmq.Context.instance()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -239,7 +242,7 @@ class SideChannelClient:
             entry = self._pending.pop(parsed[1], None)
             if entry is None:
                 continue  # answered after its timeout
-            if not verify(self._secret, tag, head, body):
+            if not verify(self._secret, tag, head, body, self._previous):
                 _call(entry[1], SideChannelError("reply without a valid HMAC"))
                 continue
             try:

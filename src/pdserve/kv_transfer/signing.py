@@ -5,7 +5,9 @@ Engine process. The producer signs the canonical JSON of every field it returns 
 (wall clock, seconds since the epoch: params travel between hosts) with HMAC-SHA256 under the
 deployment's shared secret; the consumer checks the signature and the expiry before anything else.
 The canonical form is rebuilt from the typed params, so key order or spacing on the way (proxies,
-clients) does not matter, and a field nobody signed cannot be added.
+clients) does not matter, a number reads the same whether it was an int or a float (30 == 30.0),
+and a field nobody signed cannot be added. Signing uses the current secret; verifying accepts the
+current or the previous one, so a secret rotates without restarting every instance at once.
 """
 
 from __future__ import annotations
@@ -26,26 +28,51 @@ _encoder = msgspec.msgpack.Encoder()
 def canonical(params: KVTransferParams) -> bytes:
     body = params.to_json()
     body.pop("signature", None)
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return json.dumps(_numbers(body), sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _numbers(value):
+    """Whole floats as ints, everywhere: the signer may hold 30 where the verifier parsed 30.0."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    return value
 
 
 def sign(params: KVTransferParams, secret: bytes) -> str:
     return hmac.new(secret, canonical(params), hashlib.sha256).hexdigest()
 
 
-def verify(params: KVTransferParams, secret: bytes | None, now: float) -> None:
-    """Raises InvalidRequestError (naming the field) unless the producer signed exactly these
-    params and they have not expired. Without a secret there is nothing to check."""
+def verify(params: KVTransferParams, secret: bytes | None, now: float, previous: bytes | None = None,
+           skew_s: float = 0.0) -> None:
+    """Raises InvalidRequestError (naming the field) unless a producer signed exactly these params
+    with `secret` or `previous`, and they expired no more than `skew_s` (the clock skew allowed
+    between hosts) before `now`. Without a secret there is nothing to check."""
     if secret is None:
         return
     if not params.signature:
         raise InvalidRequestError(f"{FIELD}.signature", "is required: this deployment signs its params")
-    if not hmac.compare_digest(params.signature.encode(), sign(params, secret).encode()):
+    if not _any_match(params.signature.encode(), lambda s: sign(params, s).encode(), secret, previous):
         raise InvalidRequestError(f"{FIELD}.signature",
                                   "does not match: the params were changed or not issued by a producer "
                                   "of this deployment")
-    if params.expires_at is None or params.expires_at < now:
-        raise InvalidRequestError(f"{FIELD}.expires_at", "the params have expired")
+    if params.expires_at is None:
+        raise InvalidRequestError(f"{FIELD}.expires_at", "is required: this deployment signs its params")
+    late_s = now - params.expires_at
+    if late_s > skew_s:
+        raise InvalidRequestError(f"{FIELD}.expires_at",
+                                  f"the params expired {late_s:.1f} s ago, beyond the {skew_s:g} s allowed "
+                                  "for clock skew between hosts (--kv-clock-skew-s); if the producer's "
+                                  "clock differs from this host's, synchronise them (NTP)")
+
+
+def _any_match(tag: bytes, expected, secret: bytes, previous: bytes | None) -> bool:
+    """Constant-time against each secret (no early exit reveals which one matched)."""
+    ok = hmac.compare_digest(tag, expected(secret))
+    return (previous is not None and hmac.compare_digest(tag, expected(previous))) | ok
 
 
 def _notification_mac(note: Notification, secret: bytes) -> bytes:
@@ -57,5 +84,5 @@ def sign_notification(note: Notification, secret: bytes | None) -> Notification:
     return note if secret is None else msgspec.structs.replace(note, mac=_notification_mac(note, secret))
 
 
-def notification_mac_ok(note: Notification, secret: bytes | None) -> bool:
-    return secret is None or hmac.compare_digest(note.mac, _notification_mac(note, secret))
+def notification_mac_ok(note: Notification, secret: bytes | None, previous: bytes | None = None) -> bool:
+    return secret is None or _any_match(note.mac, lambda s: _notification_mac(note, s), secret, previous)
