@@ -161,6 +161,8 @@ class Engine:
             self._finish(request, status)
 
     def abort(self, request_id: str) -> bool:
+        """Its caller will not deliver the request's answer. One that already ended in a P/D
+        hand-off gives its lease back (unless a consumer holds it): nobody has its params."""
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return self.connector.release_undelivered(request_id)
@@ -172,8 +174,6 @@ class Engine:
         """End a request outside a step (aborted, or failed with an error the client sees)."""
         self._finish(request, status)
         self._pending.append(RequestOutput(request.request_id, [], "", None, finished=True,
-        """Its caller will not deliver the request's answer. One that already ended in a P/D
-        hand-off gives its lease back (unless a consumer holds it): nobody has its params."""
                                            finish_reason=status.value, error=error,
                                            num_prompt_tokens=request.num_prompt_tokens))
 

@@ -81,7 +81,6 @@ class ProducerSide:
             return False
         return self.leases.release_unclaimed(params.remote_request_id, params.lease_digest())
 
-    def process_notifications(self, received: list[ReceivedNotification], num_bad: int) -> None:
     def release_undelivered(self, request_id: str) -> bool:
         """The client of this producer's request left before its answer (the params) reached it:
         free the lease now rather than at expiry, unless a consumer already bound it."""
@@ -90,6 +89,7 @@ class ProducerSide:
             logger.info("lease of %s released: its client left before the answer was delivered", request_id)
         return released
 
+    def process_notifications(self, received: list[ReceivedNotification], num_bad: int) -> None:
         self.num_bad_notifications += num_bad
         for r in received:
             note = r.notification
@@ -105,10 +105,10 @@ class ProducerSide:
         now = self.clock()
         free, expired = self.leases.collect(now)
         for lease in free:
-            self.outcome.free_blocks.extend(lease.block_ids)
             if lease.state == LeaseState.EXPIRED:
                 logger.info("lease of %s expired before any consumer spoke for it; blocks freed "
                             "(no READ can be in flight)", lease.request_id)
+            self.outcome.free_blocks.extend(lease.block_ids)
         for lease in expired:
             logger.warning("lease of %s expired before every read was notified; blocks "
                            "quarantined for %.0f s", lease.request_id, self.quarantine_s)

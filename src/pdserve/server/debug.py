@@ -18,11 +18,11 @@ class BlocksBody(BaseModel):
     delta: float = 0.0
 
 
-def add_debug_routes(app: FastAPI, engine: AsyncEngine) -> None:
 class DelayBody(BaseModel):
     seconds: float = Field(ge=0)
 
 
+def add_debug_routes(app: FastAPI, engine: AsyncEngine) -> None:
     @app.get("/debug/stats")
     async def stats():
         return await engine.call(lambda e: {**e.stats(), "engine_id": e.engine_id,
@@ -38,18 +38,13 @@ class DelayBody(BaseModel):
         await engine.call(lambda e: e.executor.debug("perturb", body.block_ids, body.delta))
         return {"ok": True}
 
-    @app.get("/debug/gc_frozen")
     @app.post("/debug/step_delay")
     async def step_delay(body: DelayBody):
         """Every model step from now on takes `seconds` longer on every rank (0: as before)."""
         await engine.call(lambda e: e.executor.debug("step_delay", body.seconds))
         return {"ok": True}
 
-    @app.get("/debug/kv_cached_hashes")
-    async def kv_cached_hashes():
-        """The hashes (64-bit event form) the prefix cache holds now, read from the pool itself."""
-        return {"block_hashes": await engine.call(lambda e: sorted(map(event_hash, e.pool.cached)))}
-
+    @app.get("/debug/gc_frozen")
     async def gc_frozen():
         results = await engine.call(lambda e: e.executor.debug("gc_frozen"))
         return {"ranks": [r.value for r in results]}
