@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from pdserve.cpus import parse_cpus
-from pdserve.config import (CacheConfig, ConfigError, EngineConfig, KVTransferConfig, ParallelConfig,
-                            ProxyConfig, SchedulerConfig, ServerConfig)
+from pdserve.config import (CacheConfig, ConfigError, EngineConfig, KVEventsConfig, KVTransferConfig,
+                            ParallelConfig, ProxyConfig, SchedulerConfig, ServerConfig)
 
 
 def pdserve_home() -> Path:
@@ -94,6 +94,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "are signed)")
     p.add_argument("--allow-insecure-side-channel", action="store_true",
                    help="run a side channel reachable off loopback without PDSERVE_KV_SECRET (warned)")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='vLLM\'s KV events, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}\' (binds on '
+                        '"*" or port 0; /health shows the bound endpoints); "encoding": "array" for vLLM\'s '
+                        'older positional messages')
     p.add_argument("--kv-copy-lanes", type=int, default=1,
                    help="copy threads per decode rank for READs of 1 MiB or more (on host memory each "
                         "copies at one core's speed; more than the rank's cores does not help)")
@@ -130,7 +135,8 @@ def engine_config(args) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
         parallel=ParallelConfig(tensor_parallel_size=tp, rank_cpus=rank_cpus),
-        kv_transfer=kv)
+        kv_transfer=kv,
+        kv_events=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else KVEventsConfig())
 
 
 def _serve(args) -> int:

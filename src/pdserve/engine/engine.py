@@ -19,6 +19,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_events import KVEvents
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Request, RequestStatus, TransferState
 from pdserve.engine.scheduler import Scheduler
@@ -35,6 +36,7 @@ from pdserve.worker.executor import Executor
 from pdserve.worker.messages import StepInput
 
 logger = logging.getLogger(__name__)
+MAX_SALT_CHARS = 1024  # a cache_salt is hashed into every block of its request
 
 
 class OverloadedError(RuntimeError):
@@ -65,7 +67,8 @@ class Engine:
         self.eos_token_ids = tuple(self.spec.eos_token_ids) or (
             (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.pool = BlockPool(self.num_blocks, config.cache.block_size,
-                              config.cache.enable_prefix_caching)
+                              config.cache.enable_prefix_caching, model_key=self.model_key())
+        self.kv_events = KVEvents(config.kv_events, self.engine_id, self.pool)
         self.executor = Executor(config, self.num_blocks, self.engine_id)
         # Called from other threads when work arrives for the engine (a side-channel reply); the
         # loop that drives the engine replaces it with a way to end its sleep.
@@ -88,6 +91,11 @@ class Engine:
                            num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                            head_dim=spec.head_dim, block_size=self.config.cache.block_size)
 
+    def model_key(self) -> str:
+        """The fingerprint as the string hashed into every cached block (prefix_cache.hashing)."""
+        fp = self.fingerprint()
+        return ":".join(str(getattr(fp, f)) for f in fp.__struct_fields__)
+
     def _blocks_for_budget(self) -> int:
         tp = self.config.parallel.tensor_parallel_size
         heads = len(kv_head_range(0, tp, self.spec.num_kv_heads))
@@ -99,10 +107,13 @@ class Engine:
     # --- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer: KVTransferParams | None = None) -> None:
+                    kv_transfer: KVTransferParams | None = None, cache_salt: str | None = None) -> None:
         """Queue a request. Raises InvalidRequestError (naming the field) before allocating anything."""
         if request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        if cache_salt is not None and not (isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_SALT_CHARS):
+            raise InvalidRequestError("cache_salt", f"must be a non-empty string of at most {MAX_SALT_CHARS} "
+                                                    "characters")
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("prompt", "must not be empty")
@@ -129,7 +140,7 @@ class Engine:
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_tokens,
-                          kv_transfer)
+                          kv_transfer, cache_salt)
         self.output_processor.start(request)
         self.num_prompt_tokens += n
         self.scheduler.add(request)
@@ -169,6 +180,10 @@ class Engine:
         if not self.connector.abort(request_id):  # else: it ends once every rank's READ has
             self._end(request, RequestStatus.FINISHED_ABORTED)
         return True
+
+    def reset_prefix_cache(self) -> int:
+        """vLLM's: forget every cached block (published as AllBlocksCleared); how many there were."""
+        return self.pool.reset_prefix_cache()
 
     def _end(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """End a request outside a step (aborted, or failed with an error the client sees)."""
@@ -289,6 +304,8 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
+            "num_prefix_cache_queries": self.scheduler.num_prefix_cache_queries,
+            "num_prefix_cache_hits": self.scheduler.num_prefix_cache_hits,
             "num_generated_tokens": self.num_generated_tokens,
         }
         kv = self.connector.stats(drain)
@@ -297,5 +314,6 @@ class Engine:
         return stats
 
     def shutdown(self) -> None:
+        self.kv_events.close()
         self.connector.close()
         self.executor.shutdown()

@@ -44,6 +44,8 @@ class Scheduler:
         self._finished_ids: list[str] = []  # since the last step, for the sampler on rank 0
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # by this instance's model (not cached, not transferred)
+        self.num_prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache (vLLM's)
+        self.num_prefix_cache_hits = 0  # ... and found there
 
     # --- admission and removal ----------------------------------------------------------------
 
@@ -177,6 +179,9 @@ class Scheduler:
             return False
         if request.status == RequestStatus.WAITING and not request.output_token_ids:
             request.num_cached_tokens = num_cached
+            if self.pool.enable_prefix_caching:
+                self.num_prefix_cache_queries += request.num_prompt_tokens
+                self.num_prefix_cache_hits += num_cached
         self.waiting.popleft()
         request.move_to(RequestStatus.RUNNING)
         self.running.append(request)

@@ -28,7 +28,7 @@ class RequestIdFilter(logging.Filter):
 
 
 # Behind the API key when one is set (/health is not; the proxy's /admin has a key of its own).
-PROTECTED = ("/v1", "/debug", "/metrics", "/kv")
+PROTECTED = ("/v1", "/debug", "/metrics", "/kv", "/reset_prefix_cache")
 
 
 class RequestContext:

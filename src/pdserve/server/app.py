@@ -26,6 +26,7 @@ from pdserve.server.async_engine import AsyncEngine, EngineDeadError
 from pdserve.http.errors import APIError, install_handlers, validation_error
 from pdserve.http.heap_metrics import HeapMetrics
 from pdserve.server.metrics import ServerMetrics
+from pdserve.server.prefix_cache_routes import add_prefix_cache_routes
 from pdserve.http.middleware import Admission, BodyLimit, RequestContext
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pdserve.server.serving_chat import ChatServing
@@ -100,8 +101,8 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         if not engine.is_ready:
             status = "failed: " + engine.error if engine.error else "starting"
             return APIError(503, f"engine {status}").response()
-        load, warnings = await engine.call(lambda e: (e.load(), e.warnings()))
-        return {"status": "ok", "load": load, "warnings": warnings}
+        load, warnings, cache = await engine.call(lambda e: (e.load(), e.warnings(), e.kv_events.info()))
+        return {"status": "ok", "load": load, "warnings": warnings, "prefix_cache": cache}
 
     @app.post("/kv/release")
     async def release(body: dict):
@@ -134,6 +135,7 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         _require_ready(engine)
         return await chat.create(body, request.state.request_id, request)
 
+    add_prefix_cache_routes(app, engine)
     if server.enable_debug_endpoints:
         from pdserve.server.debug import add_debug_routes
         add_debug_routes(app, engine)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
+from pdserve.prefix_cache.hashing import event_hash
 from pdserve.server.async_engine import AsyncEngine
 
 
@@ -43,6 +44,11 @@ def add_debug_routes(app: FastAPI, engine: AsyncEngine) -> None:
         """Every model step from now on takes `seconds` longer on every rank (0: as before)."""
         await engine.call(lambda e: e.executor.debug("step_delay", body.seconds))
         return {"ok": True}
+
+    @app.get("/debug/kv_cached_hashes")
+    async def kv_cached_hashes():
+        """The hashes (64-bit event form) the prefix cache holds now, read from the pool itself."""
+        return {"block_hashes": await engine.call(lambda e: sorted(map(event_hash, e.pool.cached)))}
 
     @app.get("/debug/gc_frozen")
     async def gc_frozen():

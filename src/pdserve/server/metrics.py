@@ -78,6 +78,8 @@ class ServerMetrics:
             ("kv_notifications_ignored", "Unknown, late or duplicate notifications."),
             ("prompt_tokens_computed", "Prompt tokens this instance's model computed (not served "
                                        "by the prefix cache or a KV transfer)."),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vLLM's)."),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache (vLLM's)."),
         ])
         self._counter_values: dict[str, float] = {}
         r.register(self)  # collect() below: the engine's cumulative counts, as counters
@@ -95,6 +97,8 @@ class ServerMetrics:
         g["kv_cache_usage_perc"].labels(m).set((total - free) / total)
         g["num_preemptions"].labels(m).set(stats["num_preemptions"])
         self._counter_values["prompt_tokens_computed"] = stats["num_prompt_tokens_computed"]
+        self._counter_values["prefix_cache_queries"] = stats["num_prefix_cache_queries"]
+        self._counter_values["prefix_cache_hits"] = stats["num_prefix_cache_hits"]
         kv = stats.get("kv_transfer")
         if kv:
             g["kv_leases_active"].labels(m).set(kv["leases_active"])

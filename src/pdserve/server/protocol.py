@@ -33,6 +33,7 @@ class _Request(BaseModel):
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM extension: token ids of each choice in the response
+    cache_salt: str | None = None  # vLLM: prefix-cache blocks are shared only with the same salt
 
 
 class StreamOptions(BaseModel):

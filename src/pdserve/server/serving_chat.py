@@ -66,7 +66,7 @@ class ChatServing(BaseServing):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, num_logprobs)
         kv = self.transfer_params(req, 1)
-        choices, streams = await self.start(request_id, [prompt], params, kv)
+        choices, streams = await self.start(request_id, [prompt], params, kv, req.cache_salt)
         response_id = f"chatcmpl-{request_id}"
         if req.stream:
             return StreamingResponse(self._stream(req, response_id, choices, streams),

@@ -34,7 +34,7 @@ class CompletionServing(BaseServing):
         prompts = await asyncio.to_thread(self.prompts, req)  # tokenizing never blocks the event loop
         params = self.sampling_params(req, req.max_tokens, req.logprobs)
         kv = self.transfer_params(req, len(prompts))
-        choices, streams = await self.start(request_id, prompts, params, kv)
+        choices, streams = await self.start(request_id, prompts, params, kv, req.cache_salt)
         response_id = f"cmpl-{request_id}"
         if req.stream:
             return StreamingResponse(self._stream(req, response_id, choices, streams, len(prompts)),
