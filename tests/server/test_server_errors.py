@@ -3,6 +3,7 @@ the next valid request is answered correctly."""
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
 
@@ -87,6 +88,9 @@ def test_api_key(tiny_model, tmp_path):
     try:
         code, resp = post_json(inst.url + "/v1/completions", {"prompt": "x", "max_tokens": 1})
         assert code == 401 and resp["error"]["type"] == "AuthenticationError"
+        # refused before its body is read: a client that uploads it all first still reads the 401
+        code, resp = post_json(inst.url + "/v1/completions", {"prompt": "x" * (6 << 20), "max_tokens": 1})
+        assert code == 401 and resp["error"]["type"] == "AuthenticationError"
         code, _ = post_json(inst.url + "/v1/completions", {"prompt": "x", "max_tokens": 1},
                             headers={"Authorization": "Bearer wrong"})
         assert code == 401
@@ -104,6 +108,7 @@ def test_api_key(tiny_model, tmp_path):
 SERVER_TEMPLATE = ("{% for t in tools %}[{{ t['name'] }}]{% endfor %}{% for m in messages %}<|{{ m['role'] }}|>"
                    "{{ m['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 MESSAGES = [{"role": "user", "content": "hello"}]
+BODY_LIMIT = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +117,8 @@ def trusted(tiny_model, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("trusted")
     (log_dir / "template.jinja").write_text(SERVER_TEMPLATE)
     inst = start_server(tiny_model, log_dir, "--chat-template", str(log_dir / "template.jinja"),
-                        "--trust-request-chat-template", num_blocks=32)
+                        "--trust-request-chat-template", "--max-request-body-bytes", str(BODY_LIMIT),
+                        num_blocks=32)
     yield inst
     inst.stop()
 
@@ -157,3 +163,30 @@ def test_a_trusted_request_template_is_bounded(trusted, template):
     code, resp = post_json(trusted.url + "/v1/chat/completions",
                            {"messages": MESSAGES, "max_tokens": 2, "chat_template": "{{ messages[0]['content'] }}"})
     assert code == 200 and resp["usage"]["completion_tokens"] == 2, resp
+
+
+# --- a body over --max-request-body-bytes: a 413 that clients which upload first can read --------
+
+def _oversized(n: int, chunked: bool):
+    body = b'{"prompt": "' + b"a" * n + b'"}'
+    return (body[i:i + (1 << 16)] for i in range(0, len(body), 1 << 16)) if chunked else body
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("times", [2, 24])
+def test_an_oversized_body_gets_a_413_that_python_clients_read(trusted, chunked, times):
+    """urllib and httpx send the whole body before they read: the server must read it (up to a
+    bound) before it answers, or the client gets a connection reset instead of the 413."""
+    import httpx
+    url = trusted.url + "/v1/completions"
+    req = urllib.request.Request(url, _oversized(times * BODY_LIMIT, chunked), {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 413
+    assert json.loads(e.value.read())["error"]["param"] == "body"
+    with httpx.Client(timeout=30) as client:
+        r = client.post(url, content=_oversized(times * BODY_LIMIT, chunked),
+                        headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["type"] == "RequestTooLargeError", r.text[:200]
+        r = client.post(url, json={"prompt": "still fine", "max_tokens": 2})  # the same client goes on
+        assert r.status_code == 200, r.text[:200]

@@ -7,6 +7,7 @@ every streamed chunk through an extra task and memory stream.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import hmac
 import logging
@@ -68,49 +69,91 @@ class RequestContext:
         await self.app(scope, receive, send_with_id)
 
 
-class _TooLarge(Exception):
-    pass
+DRAIN_MIN_BYTES = 64 << 20  # drained past the limit at least, so any client can read the answer
+DRAIN_S = 10.0
 
 
 class BodyLimit:
     """A request body larger than `max_bytes` gets a 413 in OpenAI's shape, whether it says its
-    length up front or streams it; nothing past the limit is read into memory."""
+    length up front or streams it; nothing past the limit is kept in memory.
+
+    Clients such as urllib and httpx send the whole body before they read the answer: a server
+    that answers early and closes with the body unread makes the kernel reset the connection, and
+    the client never sees the answer. So before any response that leaves the body unread (this
+    413, or an early 401 or 503 from inside), the rest is read and dropped, up to
+    max(4 x the limit, 64 MiB) and 10 s; past those bounds the connection is closed instead. A
+    client that waits for `100 Continue` has sent nothing and is answered at once."""
 
     def __init__(self, app, max_bytes: int):
         self.app = app
         self.max_bytes = max_bytes
+        self.drain_bytes = max(4 * max_bytes, DRAIN_MIN_BYTES)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(scope, receive, send)
-        received = 0
-        started = False
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length", b"")
+        body = _Body(int(declared) if declared.isdigit() else None,
+                     headers.get(b"expect", b"").lower() == b"100-continue")
+        if body.declared is not None and body.declared > self.max_bytes:
+            return await self._refuse(scope, body, receive, send)
 
         async def limited_receive():
-            nonlocal received
             message = await receive()
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _TooLarge
+                body.received += len(message.get("body", b""))
+                body.done = not message.get("more_body", False)
+                if body.received > self.max_bytes:
+                    body.too_large = True
+                    return {"type": "http.disconnect"}  # the app stops reading; its answer is replaced
             return message
 
-        async def tracking_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+        async def draining_send(message):
+            if body.too_large:
+                return
+            if message["type"] == "http.response.start" and not body.done and not await self._drain(body, receive):
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             await send(message)
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await self._refuse(scope, receive, send)
+        await self.app(scope, limited_receive, draining_send)
+        if body.too_large:
+            await self._refuse(scope, body, receive, send)
 
-    async def _refuse(self, scope, receive, send):
+    async def _refuse(self, scope, body: "_Body", receive, send):
+        drained = await self._drain(body, receive)
         error = APIError(413, f"request body larger than {self.max_bytes} bytes", param="body")
-        await error.response()(scope, receive, send)
+        await error.response(None if drained else {"Connection": "close"})(scope, receive, send)
+
+    async def _drain(self, body: "_Body", receive) -> bool:
+        """Read and drop the rest of the body; False when it is not read to its end."""
+        if body.done or (body.expect_continue and not body.received):
+            return body.done
+        if body.declared is not None and body.declared > self.drain_bytes:
+            return False  # could never be read to its end
+        try:
+            async with asyncio.timeout(DRAIN_S):
+                while body.received <= self.drain_bytes:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return False
+                    body.received += len(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        body.done = True
+                        return True
+        except TimeoutError:
+            pass
+        return False
+
+
+class _Body:
+    """What the middleware knows of one request's body."""
+
+    def __init__(self, declared: int | None, expect_continue: bool):
+        self.declared = declared
+        self.expect_continue = expect_continue
+        self.received = 0
+        self.done = False
+        self.too_large = False
 
 
 class Admission:
