@@ -220,7 +220,6 @@ class ServerConfig:
     enable_debug_endpoints: bool = False  # tests only: KV checksums, loaded peers
     generation_config: str = "auto"  # "auto": the checkpoint's sampling defaults; "vllm": pdserve's
     trust_request_chat_template: bool = False  # render templates requests bring (sandboxed, bounded)
-    trust_request_chat_template: bool = False  # render templates requests bring (sandboxed, bounded)
 
     def __post_init__(self):
         _check(0 <= self.port < 65536, "port", f"out of range: {self.port}")

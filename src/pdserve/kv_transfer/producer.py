@@ -76,7 +76,8 @@ class ProducerSide:
         if params.remote_engine_id != self.engine_id or params.remote_request_id is None:
             return False
         try:
-            verify(params, self.config.secret, now=0.0)  # an expired lease may still be handed back
+            verify(params, self.config.secret, now=0.0,  # an expired lease may still be handed back
+                   previous=self.config.previous_secret)
         except InvalidRequestError:
             return False
         return self.leases.release_unclaimed(params.remote_request_id, params.lease_digest())
@@ -93,7 +94,7 @@ class ProducerSide:
         self.num_bad_notifications += num_bad
         for r in received:
             note = r.notification
-            if not notification_mac_ok(note, self.config.secret):
+            if not notification_mac_ok(note, self.config.secret, self.config.previous_secret):
                 self.leases.num_ignored += 1
                 logger.warning("refused a notification for %s from %s: no valid MAC",
                                note.producer_request_id, r.sender)

@@ -33,7 +33,7 @@ class SchedulerConnector:
         engine loop's sleep when a side-channel reply arrives (called on another thread)."""
         if network is None:
             from pdserve.kv_transfer.side_channel import ZmqNetwork
-            network = ZmqNetwork(config.secret)
+            network = ZmqNetwork(config.secret, config.previous_secret)
         self.engine_id = engine_id
         self.outcome = ConnectorOutcome()
         self.producer = ProducerSide(config, engine_id, fingerprint, rank_agents, network, self.outcome, clock)
