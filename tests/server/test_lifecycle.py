@@ -1,4 +1,5 @@
-"""Start-up and shutdown: /health while starting or broken, overload, SIGTERM with TP ranks."""
+"""Start-up and shutdown: /health while starting, busy or broken, overload, SIGTERM with TP ranks, a
+dead engine ending the process."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
 
 import httpx
+import pytest
 
 from servers import post_json, start_server
 
@@ -109,3 +112,50 @@ def test_overload_is_503(tiny_model, tmp_path):
             time.sleep(0.1)
     finally:
         inst.stop()
+
+
+def _rank_process(server_pid: int) -> int:
+    """The spawned TP rank child of a server (not multiprocessing's resource tracker)."""
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+            continue
+        if ppid == server_pid and b"spawn_main" in cmdline:
+            return int(p)
+    raise AssertionError("no TP rank process found")
+
+
+@pytest.mark.parametrize("when", ["idle", "streaming"])
+def test_an_instance_whose_tp_rank_dies_exits_with_an_error(tiny_model, tmp_path, when):
+    """Nothing restarts an instance that stays up with a dead engine: it exits non-zero, soon,
+    after failing what was in flight, and its log says why."""
+    inst = start_server(tiny_model, tmp_path, tp=2, num_blocks=64)
+    try:
+        rank = _rank_process(inst.proc.pid)
+        if when == "idle":
+            os.kill(rank, signal.SIGKILL)
+            killed = time.monotonic()
+        else:
+            with httpx.Client(timeout=30) as h, \
+                    h.stream("POST", inst.url + "/v1/completions",
+                             json={"prompt": "long one", "max_tokens": 1000, "ignore_eos": True,
+                                   "stream": True}) as r:
+                lines = r.iter_lines()
+                next(lines)
+                os.kill(rank, signal.SIGKILL)
+                killed = time.monotonic()
+                events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+            assert "error" in events[-1], events[-1]
+        try:
+            code = inst.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server still runs 10 s after its TP rank died")
+        assert code != 0 and time.monotonic() - killed < 10
+        assert "TP rank 1" in inst.log_path.read_text()
+    finally:
+        inst.stop()
+

@@ -255,6 +255,7 @@ class Engine:
         self._apply(self.connector.start_loads(sched.remote_loads))
         meta = self.connector.build_metadata()
         if sched.is_empty and not sched.finished_request_ids and meta is None:
+            self.executor.check_ranks()  # an idle engine finds a dead rank too (raises)
             return outputs + self._drain_pending()
         self._step_id += 1
         results = self.executor.execute(StepInput(

@@ -53,6 +53,7 @@ class AsyncEngine:
         self.config = config
         self.engine: Engine | None = None
         self.error: str | None = None
+        self.died = False  # the loop failed after the engine had started (the process should exit)
         # (fn(engine), future or None); None stops the loop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._exited = threading.Event()
@@ -75,6 +76,10 @@ class AsyncEngine:
     @property
     def is_ready(self) -> bool:
         return self._ready.is_set() and self.error is None and not self._exited.is_set()
+
+    def wait_exited(self, timeout_s: float | None = None) -> bool:
+        """Block (a plain thread) until the engine thread has ended."""
+        return self._exited.wait(timeout_s)
 
     async def drain(self, timeout_s: float) -> None:
         """Wait (bounded) until the engine holds no lease for a reader and loads no KV: a
@@ -145,6 +150,7 @@ class AsyncEngine:
             except BaseException as e:  # noqa: BLE001
                 logger.exception("engine loop died")
                 self.error = f"engine loop died: {e}"
+                self.died = True
                 self._fail_all(EngineDeadError(self.error))
             finally:
                 self.engine.shutdown()

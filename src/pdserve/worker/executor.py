@@ -2,7 +2,7 @@
 
 Engine process. `execute` sends a step to every rank and waits for all reports, bounded by the step
 timeout; a rank that dies or stops answering raises `EngineDeadError` (the engine does not go on with
-a partial group). Children die with the thread that created them (PR_SET_PDEATHSIG), so create the
+a partial group), and so does a rank found dead between steps (`check_ranks`). Children die with the thread that created them (PR_SET_PDEATHSIG), so create the
 executor in a thread that lives as long as the engine.
 """
 
@@ -93,7 +93,11 @@ class Executor:
     def execute(self, step: StepInput) -> list[StepOutput]:
         """Run one step on every rank; returns the outputs in rank order (rank 0 samples)."""
         self._broadcast(step)
-        outputs = [self.local.execute(step)]
+        try:
+            outputs = [self.local.execute(step)]
+        except Exception:
+            self.check_ranks(grace_s=1.0)  # a rank that died mid-step is the cause, not the collective
+            raise
         for rank, conn in enumerate(self._conns, start=1):
             out = self._out_decoder.decode(self._recv(rank, conn, self.config.parallel.step_timeout_s))
             outputs.append(out)
@@ -101,6 +105,18 @@ class Executor:
             if out.error:
                 raise EngineDeadError(f"TP rank {out.rank} failed a step:\n{out.error}")
         return outputs
+
+    def check_ranks(self, grace_s: float = 0.0) -> None:
+        """Raise EngineDeadError naming a rank process that has exited (found between steps too).
+        `grace_s`: how long a rank that is dying (its peers saw its sockets close) has to finish."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, proc in enumerate(self._procs, start=1):
+                if not proc.is_alive():
+                    raise EngineDeadError(f"TP rank {rank} died (exit code {proc.exitcode})")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def debug(self, name: str, *args) -> list[DebugResult]:
         call = DebugCall(name, list(args))
