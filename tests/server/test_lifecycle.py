@@ -159,3 +159,28 @@ def test_an_instance_whose_tp_rank_dies_exits_with_an_error(tiny_model, tmp_path
     finally:
         inst.stop()
 
+
+def test_health_answers_at_once_while_a_long_step_runs(tiny_model, tmp_path):
+    """A step longer than a router's probe timeout does not make a busy instance look down."""
+    inst = start_server(tiny_model, tmp_path, num_blocks=64)
+    try:
+        assert post_json(inst.url + "/debug/step_delay", {"seconds": 1.5})[0] == 200
+        t = threading.Thread(target=post_json, daemon=True, args=(
+            inst.url + "/v1/completions", {"prompt": "x", "max_tokens": 2, "ignore_eos": True}))
+        t.start()
+        slowest, saw_request = 0.0, False
+        deadline = time.monotonic() + 2.5  # within the request's two 1.5 s steps
+        with httpx.Client(timeout=10) as h:
+            while time.monotonic() < deadline:
+                began = time.monotonic()
+                r = h.get(inst.url + "/health")
+                slowest = max(slowest, time.monotonic() - began)
+                assert r.status_code == 200, r.text
+                load = r.json()["load"]
+                saw_request = saw_request or load["num_running"] + load["num_waiting"] > 0
+                time.sleep(0.05)
+        t.join(30)
+        assert saw_request, "no /health answer showed the request in the engine"
+        assert slowest < 0.5, f"/health took {slowest:.2f} s while a step ran"
+    finally:
+        inst.stop()

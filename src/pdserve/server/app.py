@@ -101,7 +101,8 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         if not engine.is_ready:
             status = "failed: " + engine.error if engine.error else "starting"
             return APIError(503, f"engine {status}").response()
-        load, warnings, cache = await engine.call(lambda e: (e.load(), e.warnings(), e.kv_events.info()))
+        load, warnings = engine.snapshot  # as of the engine's last turn: never waits for a step
+        cache = engine.engine.kv_events.info()  # settings and a counter: safe to read from here
         return {"status": "ok", "load": load, "warnings": warnings, "prefix_cache": cache}
 
     @app.post("/kv/release")

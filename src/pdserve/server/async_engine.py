@@ -54,6 +54,9 @@ class AsyncEngine:
         self.engine: Engine | None = None
         self.error: str | None = None
         self.died = False  # the loop failed after the engine had started (the process should exit)
+        # (load, warnings) as of the engine thread's last turn: /health reads it without waiting
+        # for a step (a long one would make a busy instance look down)
+        self.snapshot: tuple[dict, list[str]] | None = None
         # (fn(engine), future or None); None stops the loop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._exited = threading.Event()
@@ -144,6 +147,7 @@ class AsyncEngine:
                 self.error = f"engine failed to start: {e}"
                 return
             self.engine.wake = lambda: self._commands.put((_noop, None))
+            self._publish()
             self._ready.set()
             try:
                 self._loop_forever()
@@ -178,6 +182,7 @@ class AsyncEngine:
                 item = self._commands.get(timeout=timeout) if timeout > 0 else self._commands.get_nowait()
             except queue.Empty:
                 item = ...
+            commands = False
             while item is not ...:
                 if item is None:
                     self._shutdown_requests()
@@ -196,9 +201,17 @@ class AsyncEngine:
                     else:
                         done.set_exception(e)
                 item = self._next_command()
+                commands = True
+            if commands:
+                self._publish()
             outputs = engine.step()
             if outputs:
                 self._dispatch(outputs)
+            self._publish()
+
+    def _publish(self) -> None:
+        """One reference swap: readers on the event loop see the old or the new snapshot."""
+        self.snapshot = (self.engine.load(), self.engine.warnings())
 
     def _next_command(self):
         try:
