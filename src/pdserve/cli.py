@@ -167,6 +167,7 @@ def _proxy(args) -> int:
         port_file=args.port_file, upstream_protocol=args.upstream_protocol,
         max_request_body_bytes=args.max_request_body_bytes, probe_interval_s=args.probe_interval_s,
         max_wait_s=args.max_wait_s, local_prefill_max_tokens=args.local_prefill_max_tokens,
+        request_timeout_s=args.request_timeout_s,
         local_prefill_max_queue=args.local_prefill_max_queue, admin_key=os.environ.get("PDSERVE_ADMIN_KEY"))
     run_proxy(config, args.log_level.upper())
     return 0
@@ -273,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long a request waits while every prefill instance is busy, then 503")
     p.add_argument("--probe-interval-s", type=float, default=1.0,
                    help="how often the instances' health and load are asked")
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="how long the proxy waits for an instance's next bytes (a whole answer, or the next "
+                        "event of a stream); then the client gets a 502 naming the instance")
     p.add_argument("--upstream-protocol", default="auto", choices=["auto", "pdserve", "vllm"],
                    help="what the instances are: vllm producers get max_tokens 1 (auto: ask them)")
     p.set_defaults(func=_proxy)

@@ -18,11 +18,12 @@ from pdserve.config import KVTransferConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.kv_transfer.descriptors import RegionTable
 from pdserve.kv_transfer.messages import Fingerprint
-from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadOutcome, LoadResult
+from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadOutcome, LoadResult, RemoteLoad
 from pdserve.kv_transfer.params import FirstToken, KVTransferParams
 from pdserve.kv_transfer.scheduler_side import SchedulerConnector
 from pdserve.kv_transfer.worker_side import RegisteredCache, WorkerConnector
 from pdserve.model.parallel import kv_head_range
+from pdserve.prefix_cache.hashing import hash_blocks, wire_hash
 from pdserve.transport.loopback import LoopbackFabric, LoopbackNetwork
 
 NUM_LAYERS, HEAD_DIM, BLOCK_SIZE = 2, 2, 4
@@ -86,10 +87,10 @@ class Instance:
             self.pool.quarantine_blocks(blocks, until)
         for o in outcome.loads:
             self.outcomes.append(o)
-            blocks = self.blocks.get(o.request_id, [])
-            if o.quarantine_until is not None:
-                self.pool.quarantine_blocks(blocks, o.quarantine_until)
-                self.blocks[o.request_id] = blocks = []
+            if o.quarantine_blocks:  # only the blocks a READ wrote into, never shared ones
+                self.pool.quarantine_blocks(list(o.quarantine_blocks), o.quarantine_until)
+                self.blocks[o.request_id] = [b for b in self.blocks.get(o.request_id, [])
+                                             if b not in o.quarantine_blocks]
             if o.result != LoadResult.LOADED:
                 self.finish(o.request_id)
 
@@ -116,7 +117,8 @@ class Instance:
         for cache, heads in zip(self.caches, self.local_heads):
             for i, b in enumerate(blocks):
                 cache[:, :, b] = pattern(seed, heads, range(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE))
-        handoff = self.connector.hand_off(request_id, list(range(num_tokens)), blocks, FirstToken(7))
+        handoff = self.connector.hand_off(request_id, list(range(num_tokens)), blocks, FirstToken(7),
+                                          block_hashes(num_tokens))
         rest = [b for b in blocks if b not in handoff.block_ids]
         self.pool.release(rest)
         return handoff.params
@@ -127,12 +129,22 @@ class Instance:
         """add_request: the params are accepted (raises InvalidRequestError)."""
         self.connector.add_request(request_id, KVTransferParams.parse(params))
 
-    def admit(self, request_id: str, num_tokens: int) -> list[int]:
-        """The scheduler gives the request its blocks (prompt + first token)."""
-        blocks = self.pool.allocate(-(-(num_tokens + 1) // BLOCK_SIZE))
+    def admit(self, request_id: str, num_tokens: int, cached: list[int] = ()) -> list[int]:
+        """The scheduler gives the request its blocks (prompt + first token); `cached`: blocks
+        this instance holds the prompt's first full blocks in (the engine takes them from its
+        prefix cache; here the test fills them)."""
+        self.pool.take(list(cached))  # one more owner each, as the scheduler takes prefix-cache hits
+        blocks = list(cached) + self.pool.allocate(-(-(num_tokens + 1) // BLOCK_SIZE) - len(cached))
         self.blocks[request_id] = blocks
-        self.apply(self.connector.start_loads([(request_id, blocks)]))
+        self.apply(self.connector.start_loads([RemoteLoad(request_id, blocks, len(cached))]))
         return blocks
+
+    def fill(self, blocks: list[int], seed: int, first_position: int = 0) -> None:
+        """Write the pattern a producer with `seed` would hold into local blocks."""
+        for cache, heads in zip(self.caches, self.local_heads):
+            for i, b in enumerate(blocks):
+                start = first_position + i * BLOCK_SIZE
+                cache[:, :, b] = pattern(seed, heads, range(start, start + BLOCK_SIZE))
 
     def kv(self, request_id: str, num_tokens: int) -> np.ndarray:
         """The request's KV as global heads: [layers, K/V, heads, tokens, dim]."""
@@ -155,6 +167,11 @@ def pattern(seed: int, heads: range, positions: range) -> np.ndarray:
     l, kv, h, p, d = np.meshgrid(np.arange(NUM_LAYERS), np.arange(2), np.array(heads), np.array(positions),
                                  np.arange(HEAD_DIM), indexing="ij")
     return (seed * 1e6 + l * 1e5 + kv * 1e4 + h * 1e3 + p * 10 + d).astype(np.float32)
+
+
+def block_hashes(num_tokens: int, keys: tuple[str, ...] = ("m",)) -> tuple[str, ...]:
+    """The content hashes of a harness prompt's full blocks (its tokens are 0, 1, 2, ...)."""
+    return tuple(wire_hash(h) for h in hash_blocks(list(range(num_tokens)), BLOCK_SIZE, keys))
 
 
 def expected_kv(seed: int, num_kv_heads: int, num_tokens: int) -> np.ndarray:

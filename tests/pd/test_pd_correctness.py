@@ -141,3 +141,33 @@ def test_seeded_sampling_continues_as_colocated(pd):
     colocated = complete(pd.decode[0].url, ids, **params)["choices"][0]["token_ids"]
     assert through_pd == colocated
     assert complete(pd.proxy.url, ids, **{**params, "seed": 99})["choices"][0]["token_ids"] != colocated
+
+
+def test_a_next_turn_reads_only_what_decode_lacks_and_a_full_hit_reads_nothing(pd):
+    """Turn 2 = turn 1's prompt + its answer + a new question: decode cached turn 1's prompt and
+    answer (their full blocks), so it READs only the blocks it lacks, computes no prompt token, and
+    answers as transformers does. A prompt decode holds whole READs nothing and frees the producer."""
+    decode = pd.decode[0]
+
+    def counts() -> tuple[float, float, float]:
+        return (metric(decode, "pdserve:kv_blocks_read_total"),
+                metric(decode, "pdserve:kv_blocks_read_skipped_total"),
+                metric(decode, "pdserve:prompt_tokens_computed_total"))
+    first = prompt(40, seed=500)
+    answer = complete(pd.proxy.url, first)["choices"][0]["token_ids"]
+    second = first + answer + prompt(20, seed=501)  # 76 tokens: four full blocks and a partial one
+    read0, skipped0, computed0 = counts()
+    ours = complete(pd.proxy.url, second)["choices"][0]["token_ids"]
+    assert_greedy_match(ours, hf_reference(pd.model, second, MAX_TOKENS), f"P{pd.p_tp}D{pd.d_tp} turn 2")
+    held = (len(first) + len(answer) - 1) // 16  # the last answer token's KV was never computed
+    read1, skipped1, computed1 = counts()
+    assert (skipped1 - skipped0, read1 - read0) == (held, 5 - held)
+    assert computed1 == computed0
+    third = second[:64]  # four full blocks, all held by decode now
+    ours = complete(pd.proxy.url, third)["choices"][0]["token_ids"]
+    assert_greedy_match(ours, hf_reference(pd.model, third, MAX_TOKENS), f"P{pd.p_tp}D{pd.d_tp} full hit")
+    read2, skipped2, computed2 = counts()
+    assert (skipped2 - skipped1, read2 - read1, computed2) == (4, 0, computed0)
+    for inst in pd.instances:
+        s = wait_idle(inst)
+        assert s["num_free_blocks"] == s["num_blocks"], f"{inst.role} holds blocks: {s}"

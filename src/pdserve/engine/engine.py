@@ -30,6 +30,7 @@ from pdserve.kv_transfer.scheduler_side import NoConnector, SchedulerConnector
 from pdserve.model.parallel import check_tp_size, kv_head_range
 from pdserve.model.spec import ModelSpec, resolve_dtype
 from pdserve.outputs import RequestOutput, TokenLogprob
+from pdserve.prefix_cache.hashing import wire_hash
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.text.tokenizer import Tokenizer
 from pdserve.worker.executor import Executor
@@ -198,10 +199,12 @@ class Engine:
         handoff = None
         if request.transfer == TransferState.HANDED_OFF:
             first = request.logprobs[0] if request.logprobs else None
+            full = request.num_prompt_tokens // self.pool.block_size
             handoff = self.connector.hand_off(
                 request.request_id, request.prompt_token_ids, request.block_ids,
                 FirstToken(request.output_token_ids[0], first.logprob if first else None,
-                           tuple(first.top) if first and first.top is not None else None))
+                           tuple(first.top) if first and first.top is not None else None),
+                tuple(wire_hash(h) for h in self.pool.block_hashes(request, full)))
         self.scheduler.finish(request, status, handoff.block_ids if handoff else ())
         self.connector.request_finished(request.request_id)
         return handoff.params if handoff else None
@@ -216,9 +219,10 @@ class Engine:
             request = self.scheduler.requests.get(o.request_id)
             if request is None:  # ended while the decision was on its way (an abort of a queued load)
                 continue
-            if o.quarantine_until is not None:  # a READ may still land in them
-                self.pool.quarantine_blocks(request.block_ids, o.quarantine_until)
-                request.block_ids = []
+            if o.quarantine_blocks:  # a READ may still land in them (never in shared cached blocks)
+                self.pool.quarantine_blocks(list(o.quarantine_blocks), o.quarantine_until)
+                in_doubt = set(o.quarantine_blocks)
+                request.block_ids = [b for b in request.block_ids if b not in in_doubt]
             if o.result == LoadResult.LOADED:
                 self.scheduler.remote_kv_loaded(request)
             elif o.result == LoadResult.RECOMPUTE:

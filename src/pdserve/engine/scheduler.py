@@ -16,6 +16,8 @@ from collections import deque
 from pdserve.config import SchedulerConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request, RequestStatus, TransferState
+from pdserve.kv_transfer.outcomes import RemoteLoad
+from pdserve.prefix_cache.hashing import wire_hash
 from pdserve.worker.messages import NewRequest, SamplingSpec, ScheduledChunk
 
 
@@ -25,8 +27,8 @@ class SchedulerOutput:
     new_requests: list[NewRequest]
     finished_request_ids: list[str]
     num_preempted: int = 0
-    remote_loads: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)  # admitted to
-    # WAITING_FOR_REMOTE_KV this step: (request id, local block ids) for the connector
+    remote_loads: list[RemoteLoad] = dataclasses.field(default_factory=list)  # admitted to
+    # WAITING_FOR_REMOTE_KV this step, for the connector
 
     @property
     def is_empty(self) -> bool:
@@ -88,7 +90,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequest] = []
-        remote_loads: list[tuple[str, list[int]]] = []
+        remote_loads: list[RemoteLoad] = []
         preempted = 0
 
         for request in list(self.running):
@@ -187,20 +189,37 @@ class Scheduler:
         self.running.append(request)
         return True
 
-    def _admit_remote(self, request: Request, remote_loads: list) -> bool:
-        """P/D consumer: allocate blocks for the prompt and the producer's first token; the
-        connector reads the KV into them."""
+    def _admit_remote(self, request: Request, remote_loads: list[RemoteLoad]) -> bool:
+        """P/D consumer: blocks for the prompt and the producer's first token. The prompt's leading
+        full blocks this instance caches, where its hashes agree with the producer's, are shared
+        (a full hit READs nothing); the connector reads the rest into new blocks."""
         if self._num_seqs >= self.config.max_num_seqs:
             return False
-        needed = self.pool.blocks_needed(request.num_prompt_tokens + 1)
+        hits = self._agreed_hits(request)
+        self.pool.take(hits)
+        needed = self.pool.blocks_needed(request.num_prompt_tokens + 1) - len(hits)
         if needed > self.pool.num_free_blocks:
+            self.pool.release(hits)
             return False
-        request.block_ids = self.pool.allocate(needed)
+        request.block_ids = hits + self.pool.allocate(needed)
+        request.num_cached_tokens = len(hits) * self.pool.block_size
+        if self.pool.enable_prefix_caching:
+            self.num_prefix_cache_queries += request.num_prompt_tokens
+            self.num_prefix_cache_hits += request.num_cached_tokens
         self.waiting.popleft()
         request.move_to(RequestStatus.WAITING_FOR_REMOTE_KV)
         self.loading.append(request)
-        remote_loads.append((request.request_id, list(request.block_ids)))
+        remote_loads.append(RemoteLoad(request.request_id, list(request.block_ids), len(hits)))
         return True
+
+    def _agreed_hits(self, request: Request) -> list[int]:
+        """Cached blocks holding the prompt's leading full blocks, up to the first whose hash differs
+        from the producer's (a salt or model key of its own, or params without hashes: none)."""
+        theirs = request.kv_transfer.block_hashes
+        hits = self.pool.match_prefix(request) if theirs else []  # full prompt blocks, tokens checked
+        ours = [wire_hash(h) for h in self.pool.block_hashes(request, len(hits))]
+        agreed = next((i for i, (a, b) in enumerate(zip(ours, theirs or ())) if a != b), len(hits))
+        return hits[:agreed]
 
     def remote_kv_loaded(self, request: Request) -> None:
         self.loading.remove(request)

@@ -23,7 +23,7 @@ from pdserve.kv_transfer.lease_keeper import HeartbeatReplied, LeaseKeeper
 from pdserve.kv_transfer.load import IN_FLIGHT, NOT_READING, Claims, Load, LoadState
 from pdserve.kv_transfer.messages import (ConnectorReport, Fingerprint, HeartbeatAck, LeaseAnswer, PeerAgents,
                                           ReadFailure, ReadSpec)
-from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadOutcome, LoadResult
+from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadOutcome, LoadResult, RemoteLoad
 from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.kv_transfer.signing import verify
 from pdserve.sampling_params import InvalidRequestError
@@ -56,7 +56,8 @@ class ConsumerSide:
         self.loads: dict[str, Load] = {}
         self.claims = Claims()
         self.leases = LeaseKeeper(config, engine_id, tp_size, client, clock, self._event)
-        self.counters = {"nixl_num_failed_transfers": 0, "kv_transfers": 0}
+        self.counters = {"nixl_num_failed_transfers": 0, "kv_transfers": 0, "kv_blocks_read": 0,
+                         "kv_blocks_read_skipped": 0}
         self.transfers: deque[dict] = deque(maxlen=TRANSFERS_KEPT)
 
     # --- requests (engine thread) -------------------------------------------------------------
@@ -80,10 +81,18 @@ class ConsumerSide:
             params.remote_engine_id, params.remote_host, params.remote_port, params.producer_tp_size)
         self.leases.heartbeat(peer.engine_id, peer.host, peer.port, [load])
 
-    def admit(self, request_id: str, block_ids: list[int]) -> None:
-        """The request got its local blocks (prompt + first token)."""
-        load = self.loads[request_id]
-        load.block_ids = list(block_ids)
+    def admit(self, admitted: RemoteLoad) -> None:
+        """The request got its local blocks (prompt + first token), the first `num_cached_blocks`
+        of them already holding the prompt's KV here. When they hold all of it nothing is READ:
+        the request runs at once and the producer frees its blocks now."""
+        load = self.loads[admitted.request_id]
+        load.block_ids = list(admitted.block_ids)
+        load.num_cached_blocks = admitted.num_cached_blocks
+        self.counters["kv_blocks_read_skipped"] += load.num_cached_blocks
+        if load.num_cached_blocks == len(load.params.remote_block_ids):
+            self._drop(load, "every block of the prompt is cached here")
+            self.outcome.loads.append(LoadOutcome(load.request_id, LoadResult.LOADED))
+            return
         load.move_to(LoadState.WAITING_PEER)
         self._promote(load)
 
@@ -140,8 +149,9 @@ class ConsumerSide:
             timeout = min(self.config.transfer_timeout_s, load.quarantine_s / 2)
             load.move_to(LoadState.READING)
             load.reports_due = now + timeout + REPORT_GRACE_S
+            skip = load.num_cached_blocks
             reads.append(ReadSpec(load.request_id, p.remote_engine_id, p.remote_request_id,
-                                  list(p.remote_block_ids), load.block_ids[:len(p.remote_block_ids)],
+                                  list(p.remote_block_ids[skip:]), load.read_block_ids,
                                   load.deadline, timeout))
         return self.peers.to_workers(), self.peers.take_evicted(), reads
 
@@ -224,6 +234,7 @@ class ConsumerSide:
         if not failures and not stalled:
             done = list(load.results.values())
             self.counters["kv_transfers"] += 1
+            self.counters["kv_blocks_read"] += len(load.read_block_ids)
             self.transfers.append({"num_bytes": sum(d.num_bytes for d in done),
                                    "num_descriptors": sum(d.num_descriptors for d in done),
                                    "duration_s": max(d.duration_s for d in done)})
@@ -239,7 +250,8 @@ class ConsumerSide:
             until = self.clock() + 2 * self.config.transfer_timeout_s
         self.leases.release(load, "client aborted" if aborted else reasons)
         if aborted:
-            self.outcome.loads.append(LoadOutcome(load.request_id, LoadResult.ABORTED, quarantine_until=until))
+            self.outcome.loads.append(LoadOutcome(load.request_id, LoadResult.ABORTED, quarantine_until=until,
+                                                  quarantine_blocks=tuple(load.read_block_ids)))
         else:
             self._decide(load, f"KV transfer from producer {load.engine_id} failed: {reasons}", until)
 
@@ -254,7 +266,8 @@ class ConsumerSide:
         recompute = self.config.failure_policy == "recompute"
         logger.warning("%s: %s%s", load.request_id, message, "; recomputing the prompt locally" * recompute)
         result = LoadResult.RECOMPUTE if recompute else LoadResult.FAILED
-        self.outcome.loads.append(LoadOutcome(load.request_id, result, message, quarantine_until))
+        in_doubt = tuple(load.read_block_ids) if quarantine_until is not None else ()
+        self.outcome.loads.append(LoadOutcome(load.request_id, result, message, quarantine_until, in_doubt))
 
     def _fail_waiting(self, engine_id: str, reason: str) -> None:
         """Forget a producer (the next request naming it handshakes again). Its loads that are not

@@ -41,6 +41,7 @@ class Load:
     params: KVTransferParams
     state: LoadState = LoadState.QUEUED
     block_ids: list[int] = dataclasses.field(default_factory=list)  # local, from admission
+    num_cached_blocks: int = 0  # ... of which the first hold the prompt's KV here (never READ into)
     deadline: float | None = None  # monotonic; no READ may be posted after it
     lease_s: float | None = None  # the producer's, from its acknowledgement
     quarantine_s: float = 0.0  # the producer's; our READ timeout stays below half of it
@@ -56,6 +57,11 @@ class Load:
     def move_to(self, state: LoadState) -> None:
         assert state in _TRANSITIONS.get(self.state, ()), f"{self.request_id}: {self.state} -> {state}"
         self.state = state
+
+    @property
+    def read_block_ids(self) -> list[int]:
+        """The local blocks the READ writes: the producer's blocks past the cached ones."""
+        return self.block_ids[self.num_cached_blocks:len(self.params.remote_block_ids)]
 
 
 class Claims:

@@ -19,12 +19,25 @@ class LoadResult(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class RemoteLoad:
+    """A consumer request the scheduler just admitted: its local blocks (the prompt's, then one for
+    the first token), of which the first `num_cached_blocks` already hold the prompt's KV here (its
+    prefix cache, the hashes agreeing with the producer's): only the rest is READ."""
+
+    request_id: str
+    block_ids: list[int]
+    num_cached_blocks: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class LoadOutcome:
     request_id: str
     result: LoadResult
     message: str = ""
-    # A READ may still land in the request's local blocks: keep them out of reuse until then.
+    # A READ may still land in these local blocks (the ones it wrote into, never a shared cached
+    # block): keep them out of reuse until then.
     quarantine_until: float | None = None
+    quarantine_blocks: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,6 +50,8 @@ class KVTransferParams:
     producer_tp_size: int | None = None  # the wire's `tp_size`
     first_token: FirstToken | None = None
     prompt_hash: str | None = None
+    block_hashes: tuple[str, ...] | None = None  # the producer's content hashes of the prompt's full
+    # blocks (prefix_cache.hashing.wire_hash): the consumer reuses a block it holds only where they agree
     lease_s: float | None = None
     expires_at: float | None = None  # wall clock: the consumer must accept the params before
     signature: str | None = None  # the producer's HMAC over every other field (signing.py)
@@ -75,6 +77,7 @@ class KVTransferParams:
             producer_tp_size=p.int("tp_size", lo=1, hi=MAX_TP),
             first_token=p.first_token(),
             prompt_hash=p.str("prompt_hash"),
+            block_hashes=p.hex_list("block_hashes", 16),
             lease_s=p.float("lease_s", lo=0.0, hi=MAX_LEASE_S),
             expires_at=p.float("expires_at", lo=0.0, hi=1e11),
             signature=p.hex("signature", 64),
@@ -105,6 +108,11 @@ class KVTransferParams:
                 f"{FIELD}.remote_block_ids",
                 f"has {len(self.remote_block_ids)} blocks but the prompt of {len(prompt_token_ids)} "
                 f"tokens needs {expected} blocks of {block_size} tokens")
+        if self.block_hashes is not None and len(self.block_hashes) != len(prompt_token_ids) // block_size:
+            raise InvalidRequestError(
+                f"{FIELD}.block_hashes",
+                f"has {len(self.block_hashes)} hashes but the prompt of {len(prompt_token_ids)} tokens has "
+                f"{len(prompt_token_ids) // block_size} full blocks of {block_size} tokens")
         if self.prompt_hash is not None and self.prompt_hash != prompt_hash(prompt_token_ids):
             raise InvalidRequestError(f"{FIELD}.prompt_hash",
                                       "does not match this request's prompt tokens")
@@ -139,6 +147,8 @@ class KVTransferParams:
             "prompt_hash": self.prompt_hash,
             "lease_s": self.lease_s,
         }
+        if self.block_hashes is not None:
+            out["block_hashes"] = list(self.block_hashes)
         if self.first_token.logprob is not None:
             out["first_token_logprob"] = self.first_token.logprob
         if self.first_token.top_logprobs is not None:
@@ -178,6 +188,16 @@ class _Reader:
         if value is not None and (len(value) != length or any(c not in "0123456789abcdef" for c in value)):
             raise InvalidRequestError(f"{FIELD}.{key}", f"must be {length} lowercase hex digits")
         return value
+
+    def hex_list(self, key: str, length: int) -> tuple[str, ...] | None:
+        value = self._get(key, (list,), "a list of hashes")
+        if value is None:
+            return None
+        if len(value) > MAX_BLOCKS or any(not isinstance(v, str) or len(v) != length
+                                          or any(c not in "0123456789abcdef" for c in v) for v in value):
+            raise InvalidRequestError(f"{FIELD}.{key}",
+                                      f"must be at most {MAX_BLOCKS} strings of {length} lowercase hex digits")
+        return tuple(value)
 
     def host(self, key: str) -> str | None:
         value = self.str(key)

@@ -55,15 +55,16 @@ class ProducerSide:
     # --- engine thread --------------------------------------------------------------------------
 
     def hand_off(self, request_id: str, prompt_token_ids: list[int], block_ids: list[int],
-                 first_token: FirstToken) -> Handoff:
-        """The prompt's blocks go to a lease (the first token's block, if it has its own, does not)."""
+                 first_token: FirstToken, block_hashes: tuple[str, ...]) -> Handoff:
+        """The prompt's blocks go to a lease (the first token's block, if it has its own, does not).
+        `block_hashes`: the content hashes of the prompt's full blocks, signed with the rest."""
         num_blocks = -(-len(prompt_token_ids) // self.fingerprint.block_size)
         kept = list(block_ids[:num_blocks])
         params = KVTransferParams(
             do_remote_prefill=True, remote_engine_id=self.engine_id, remote_host=self.host,
             remote_port=self.server.port, remote_block_ids=tuple(kept), remote_request_id=request_id,
             producer_tp_size=len(self.rank_agents), first_token=first_token,
-            prompt_hash=prompt_hash(prompt_token_ids), lease_s=self.config.lease_s,
+            prompt_hash=prompt_hash(prompt_token_ids), block_hashes=block_hashes, lease_s=self.config.lease_s,
             expires_at=round(time.time() + self.config.lease_s, 3))
         if self.config.secret is not None:
             params = dataclasses.replace(params, signature=sign(params, self.config.secret))

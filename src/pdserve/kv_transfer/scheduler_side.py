@@ -16,7 +16,7 @@ from typing import Callable
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.consumer import ConsumerSide
 from pdserve.kv_transfer.messages import ConnectorMetadata, ConnectorReport, Fingerprint, RankAgent
-from pdserve.kv_transfer.outcomes import ConnectorOutcome, Handoff
+from pdserve.kv_transfer.outcomes import ConnectorOutcome, Handoff, RemoteLoad
 from pdserve.kv_transfer.params import FirstToken, KVTransferParams
 from pdserve.kv_transfer.producer import ProducerSide
 from pdserve.sampling_params import InvalidRequestError
@@ -51,10 +51,10 @@ class SchedulerConnector:
         if params is not None and params.do_remote_prefill:
             self.consumer.add(request_id, params)
 
-    def start_loads(self, admitted: list[tuple[str, list[int]]]) -> ConnectorOutcome:
-        """Consumer requests the scheduler just gave local blocks: (request id, block ids)."""
-        for request_id, block_ids in admitted:
-            self.consumer.admit(request_id, block_ids)
+    def start_loads(self, admitted: list[RemoteLoad]) -> ConnectorOutcome:
+        """Consumer requests the scheduler just gave local blocks."""
+        for load in admitted:
+            self.consumer.admit(load)
         return self.outcome.take()
 
     def abort(self, request_id: str) -> bool:
@@ -62,8 +62,8 @@ class SchedulerConnector:
         return self.consumer.abort(request_id)
 
     def hand_off(self, request_id: str, prompt_token_ids: list[int], block_ids: list[int],
-                 first_token: FirstToken) -> Handoff:
-        return self.producer.hand_off(request_id, prompt_token_ids, block_ids, first_token)
+                 first_token: FirstToken, block_hashes: tuple[str, ...]) -> Handoff:
+        return self.producer.hand_off(request_id, prompt_token_ids, block_ids, first_token, block_hashes)
 
     def request_finished(self, request_id: str) -> None:
         self.consumer.finished(request_id)
@@ -151,7 +151,7 @@ class NoConnector:
             raise InvalidRequestError("kv_transfer_params",
                                       "this instance was started without a KV transfer connector")
 
-    def start_loads(self, admitted: list[tuple[str, list[int]]]) -> ConnectorOutcome:
+    def start_loads(self, admitted: list[RemoteLoad]) -> ConnectorOutcome:
         assert not admitted, "no request wants remote KV without a connector"
         return ConnectorOutcome()
 

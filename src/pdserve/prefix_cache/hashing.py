@@ -71,6 +71,12 @@ def event_hash(digest: bytes) -> int:
     return int.from_bytes(digest[-8:], "big")
 
 
+def wire_hash(digest: bytes) -> str:
+    """The same 64 bits as 16 hex digits: how P/D params name blocks (JSON keeps every digit of a
+    string; an integer above 2**53 may not survive a JSON library)."""
+    return digest[-8:].hex()
+
+
 def prompt_event_hashes(token_ids: Sequence[int], block_size: int, model_key: str,
                         cache_salt: str | None = None) -> list[int]:
     """What an indexer looks up for a prompt: the 64-bit hashes of its full blocks."""

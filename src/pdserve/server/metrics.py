@@ -71,6 +71,9 @@ class ServerMetrics:
             ("nixl_num_failed_transfers", "Failed KV transfers."),
             ("nixl_num_failed_notifications", "Notifications received that could not be decoded."),
             ("kv_transfers", "Completed KV transfers (consumer side)."),
+            ("kv_blocks_read", "KV blocks this instance READ from a peer."),
+            ("kv_blocks_read_skipped", "KV blocks a READ skipped: the prompt's blocks this instance already "
+                                       "cached (hashes agreeing with the producer's)."),
             ("kv_leases_expired", "Producer leases that expired before every read was notified."),
             ("kv_leases_released", "Producer leases released by the consumer (abort or failure)."),
             ("kv_heartbeats", "Heartbeats sent (consumer)."),
