@@ -4,6 +4,8 @@ that owner's agents."""
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.messages import LeaseAnswer, Notification, NotificationKind
 
@@ -100,3 +102,11 @@ def test_a_hand_off_whose_answer_was_not_delivered_releases_only_an_unbound_leas
     assert not t.release_undelivered("read")  # a consumer holds it: that consumer decides
     assert not t.release_undelivered("left") and not t.release_undelivered("unknown")
     assert [l.request_id for l in t.collect(now=1)[0]] == ["left"] and t.num_released == 1
+
+
+def test_a_live_lease_is_never_replaced():
+    t = LeaseTable(lease_s=30.0, producer_tp_size=1, num_kv_heads=4)
+    t.add("r1", [1, 2], "d", now=0.0)
+    with pytest.raises(AssertionError, match="its blocks would leak"):
+        t.add("r1", [3], "d", now=1.0)
+    assert t.num_blocks == 2

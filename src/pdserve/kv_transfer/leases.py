@@ -76,7 +76,10 @@ class LeaseTable:
             return sum(len(l.block_ids) for l in self._leases.values())
 
     def add(self, request_id: str, block_ids: list[int], digest: str, now: float) -> Lease:
+        """A new lease. Request ids are the engine's own, unique per request: one that is still
+        leased would lose its blocks if replaced, so that is a bug here, never the client's doing."""
         with self._lock:
+            assert request_id not in self._leases, f"lease {request_id} exists: its blocks would leak"
             lease = Lease(request_id, list(block_ids), now + self.lease_s, digest)
             self._leases[request_id] = lease
             return lease
