@@ -1,14 +1,20 @@
-"""Reading an instance's KV events: a ZMQ subscriber with replay, and the index they build.
+"""Reading an instance's KV events: a ZMQ subscriber with replay, the index they build, and a
+follower that keeps the index exact when messages are lost.
 
 Any process that tracks what instances cache (a router, a test). `BlockIndex` applies batches in
-sequence order and says when it missed one (`gap`): the caller replays from `next_seq`, or loads a
-snapshot (`/kv/events/snapshot`) and goes on from its sequence. Every wait is bounded.
+sequence order and says when it missed one (`gap`). `KVEventFollower` repairs gaps itself: it
+replays from the first missing batch, and loads a snapshot (`/kv/events/snapshot`) when replay
+cannot fill the gap. Every wait is bounded.
 """
 
 from __future__ import annotations
 
+import random
 import time
+import urllib.request
+from typing import Callable
 
+import msgspec
 import zmq
 
 from pdserve.prefix_cache.events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch,
@@ -48,19 +54,34 @@ class BlockIndex:
 
 
 class KVEventSubscriber:
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = ""):
+    """`drop_fraction` loses that share of the published batches on purpose, before they are
+    decoded (seeded: the same messages every run), for tests and benchmarks of recovery."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
+                 drop_fraction: float = 0.0, seed: int = 0):
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
         self._replay_endpoint = replay_endpoint
+        self._drop_fraction = drop_fraction
+        self._rng = random.Random(seed)
+        self.num_received = 0  # published batches that arrived, dropped ones included
+        self.num_dropped = 0
 
     def recv(self, timeout_s: float) -> tuple[str, int, EventBatch] | None:
         """The next published batch as (topic, sequence, batch), or None after `timeout_s`."""
-        if not self._sub.poll(int(timeout_s * 1000)):
-            return None
-        topic, seq, payload = self._sub.recv_multipart()
-        return topic.decode(), int.from_bytes(seq, "big"), decode_batch(payload)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            if not self._sub.poll(int(left * 1000)):
+                return None
+            topic, seq, payload = self._sub.recv_multipart()
+            self.num_received += 1
+            if self._drop_fraction and self._rng.random() < self._drop_fraction:
+                self.num_dropped += 1
+                continue
+            return topic.decode(), int.from_bytes(seq, "big"), decode_batch(payload)
 
     def replay(self, start_seq: int, timeout_s: float = 5.0) -> list[tuple[int, EventBatch]]:
         """Every batch the publisher still buffers from `start_seq` on, in order."""
@@ -87,3 +108,103 @@ class KVEventSubscriber:
     def close(self) -> None:
         self._sub.close(linger=0)
         self._ctx.term()
+
+
+def http_snapshot(base_url: str, api_key: str | None = None,
+                  timeout_s: float = 5.0) -> Callable[[], Snapshot]:
+    """A function fetching an instance's snapshot (`GET /kv/events/snapshot`), for the follower."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def fetch() -> Snapshot:
+        req = urllib.request.Request(base_url.rstrip("/") + "/kv/events/snapshot", headers=headers)
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return msgspec.json.decode(r.read(), type=Snapshot)
+    return fetch
+
+
+class KVEventFollower:
+    """Applies one instance's batches to a `BlockIndex` and keeps it exact when batches are lost.
+
+    A gap (a batch ahead of `next_seq`) is filled by replay from the first missing batch. Replay
+    cannot fill it when the publisher no longer buffers that batch or skipped its number (queue
+    overflow); then the follower loads a snapshot and goes on from the snapshot's sequence. A lost
+    *last* batch shows no gap until the next one, so a stream quiet for `idle_s` is checked by a
+    replay from `next_seq` (one round trip; empty when nothing was missed)."""
+
+    def __init__(self, subscriber: KVEventSubscriber, snapshot: Callable[[], Snapshot] | None = None,
+                 index: BlockIndex | None = None, idle_s: float = 0.1, replay_timeout_s: float = 2.0):
+        self.subscriber = subscriber
+        self.index = index or BlockIndex()
+        self._snapshot = snapshot
+        self._idle_s = idle_s
+        self._replay_timeout_s = replay_timeout_s
+        self._checked = True  # nothing applied since the last replay check
+        self.num_gaps = 0  # gaps found (from sequence numbers or a quiet-stream check)
+        self.num_replayed = 0  # batches applied from replay
+        self.num_snapshots = 0  # snapshots loaded because replay could not fill a gap
+
+    def poll(self, timeout_s: float | None = None) -> None:
+        """Apply the next published batch, or after `timeout_s` (default `idle_s`) of quiet check
+        by replay that nothing was missed (once per quiet spell)."""
+        got = self.subscriber.recv(self._idle_s if timeout_s is None else timeout_s)
+        if got is None:
+            if not self._checked:
+                self._check_quiet()
+                self._checked = not self.index.gap  # a failed repair is tried again
+            return
+        _, seq, batch = got
+        self._checked = False
+        if self.index.apply(seq, batch) or not self.index.gap:
+            return  # applied, or a duplicate of a replayed batch
+        self.num_gaps += 1
+        self._resync()
+        self.index.apply(seq, batch)  # unless the repair already covered it
+
+    def follow_until(self, done: Callable[[BlockIndex], bool], timeout_s: float) -> bool:
+        """Poll until `done(index)`; False when `timeout_s` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while not done(self.index):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.poll(min(self._idle_s, left))
+        return True
+
+    def _check_quiet(self) -> None:
+        replayed, snapshots = self.num_replayed, self.num_snapshots
+        self._resync()
+        if (self.num_replayed, self.num_snapshots) != (replayed, snapshots):
+            self.num_gaps += 1  # the stream's last batches were lost
+
+    def _resync(self) -> None:
+        """Replay from `next_seq`; a snapshot if the reply has a hole (or replay is unreachable)."""
+        self._apply_replayed(self._replay_batches(self.index.next_seq))
+        if self.index.gap:
+            self._load_snapshot()
+
+    def _replay_batches(self, start: int) -> list[tuple[int, EventBatch]] | None:
+        try:
+            return self.subscriber.replay(start, self._replay_timeout_s)
+        except (TimeoutError, ValueError, zmq.ZMQError):  # no replay endpoint, or it is down
+            return None
+
+    def _apply_replayed(self, batches: list[tuple[int, EventBatch]] | None) -> None:
+        if batches is None:
+            self.index.gap = True
+            return
+        for seq, batch in batches:
+            if self.index.apply(seq, batch):
+                self.num_replayed += 1
+            elif self.index.gap:
+                return  # a hole replay cannot fill
+
+    def _load_snapshot(self) -> None:
+        if self._snapshot is None:
+            return  # stays in gap; the next batch or quiet spell tries again
+        try:
+            snapshot = self._snapshot()
+        except (OSError, msgspec.DecodeError):  # the instance is unreachable: try again later
+            return
+        self.index.load(snapshot)
+        self.num_snapshots += 1
+        self._apply_replayed(self._replay_batches(self.index.next_seq))
