@@ -53,7 +53,7 @@ def _generate(args) -> int:
     from pdserve.llm import LLM
     from pdserve.sampling_params import SamplingParams
     llm = LLM(ensure_model(args.model), tensor_parallel_size=args.tensor_parallel_size,
-              dtype=args.dtype, num_threads=args.num_threads)
+              dtype=args.dtype, quantization=args.quantization, num_threads=args.num_threads)
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                                 seed=args.seed)
@@ -67,6 +67,7 @@ def _generate(args) -> int:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--dtype", default="auto")
+    add_quantization_arg(p)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="fixed KV block count per rank")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV budget per rank")
@@ -108,6 +109,13 @@ def engine_config(args) -> EngineConfig:
     kv = None
     if not args.no_kv_transfer:
         secret = os.environ.get("PDSERVE_KV_SECRET")
+def add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", "-q", default=None, choices=["none", "int8", "int4"],
+                   help="weights kept quantized: int8 per output channel, int4 in groups of 32 (embedding "
+                        "and LM head int8); none dequantizes. Default: the checkpoint's own (a GGUF file's "
+                        "Q8_0 as int8, Q4_0/Q4_1/Q4_K as int4, others dequantized; else none)")
+
+
         previous = os.environ.get("PDSERVE_KV_SECRET_PREVIOUS")  # accepted, never signed with (rotation)
         kv = KVTransferConfig(
             side_channel_host=args.side_channel_host, side_channel_port=args.side_channel_port,
@@ -126,7 +134,7 @@ def engine_config(args) -> EngineConfig:
         per = len(cpus) // tp
         rank_cpus = tuple(tuple(cpus[r * per:(r + 1) * per]) for r in range(tp))
     return EngineConfig(
-        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+        model=args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
         chat_template=args.chat_template,
         num_threads=args.num_threads,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
@@ -228,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run one OpenAI-compatible instance")
     p.add_argument("model", nargs="?", default=None,
+    add_quantization_arg(p)
                    help="checkpoint directory or .gguf file (default: the generated small model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed)")

@@ -185,6 +185,7 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # defaults to the checkpoint's context
     num_threads: int | None = None  # torch threads per rank; None = cores available / TP size
+    quantization: str | None = None  # weights: none, int8, int4; None = the checkpoint's own (GGUF's)
     chat_template: str | None = None  # a file or template text that wins over the checkpoint's
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
@@ -198,6 +199,8 @@ class EngineConfig:
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                f"must be >= 2, got {self.max_model_len}")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
+        _check(self.quantization in (None, "none", "int8", "int4"), "quantization",
+               f"must be none, int8 or int4, got {self.quantization!r}")
                f"must be >= 1, got {self.num_threads}")
 
     def threads_per_rank(self) -> int:

@@ -16,6 +16,7 @@ from pdserve.sampling_params import InvalidRequestError, SamplingParams
 
 class LLM:
     def __init__(self, model: str, tensor_parallel_size: int = 1, dtype: str = "auto",
+                 quantization: str | None = None,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_gib: float = 1.0,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
@@ -26,7 +27,7 @@ class LLM:
         (default ~/.cache/pdserve/gguf)."""
         model = checkpoint_dir(model, Path(download_dir) if download_dir else None)
         self.config = EngineConfig(
-            model=model, dtype=dtype, seed=seed, max_model_len=max_model_len,
+            model=model, dtype=dtype, quantization=quantization, seed=seed, max_model_len=max_model_len,
             num_threads=num_threads, chat_template=chat_template,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                               kv_cache_gib=kv_cache_gib,

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.checkpoints import gguf_file
+from pdserve.model import gguf_weights
 
 ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",  # llama.cpp writes Mistral as llama
         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 # llama.cpp's names, the other way round (transformers' GGUF loader checks them independently)
-_LAYER = {hf: name for name, hf in gguf_file._LAYER.items()}
-_GLOBAL = {hf: name for name, hf in gguf_file._GLOBAL.items()}
+_LAYER = {hf: name for name, hf in gguf_weights.LAYER.items()}
+_GLOBAL = {hf: name for name, hf in gguf_weights.GLOBAL.items()}
 
 
 def gguf_name(hf: str) -> str:

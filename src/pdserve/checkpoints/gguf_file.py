@@ -2,11 +2,11 @@
 
 CLI process and `pdserve.LLM`, before any engine starts. A `.gguf` file is converted once into a
 Hugging Face checkpoint directory in a cache: `config.json` from the file's metadata, the tokenizer
-and its chat template (gguf_tokenizer.py), and every tensor dequantized with the `gguf` library to
-float32 safetensors, with llama.cpp's reordering of Q/K rows (Llama, Mistral) undone. Every process
-and TP rank then loads that directory like any other checkpoint; `--dtype` casts at load as usual.
-The cache entry is named by the file's path, size and modification time, written to a temporary
-directory and renamed into place, so concurrent starts never see half a checkpoint.
+and its chat template (gguf_tokenizer.py), and `gguf_source.json` naming the file, from which every
+TP rank reads the tensors themselves at load (model/gguf_weights.py: kept quantized by default, no
+float copy of the model anywhere). The cache entry is named by the file's path, size and
+modification time, written to a temporary directory and renamed into place, so concurrent starts
+never see half a checkpoint.
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 
-import numpy as np
 
 from pdserve.checkpoints.gguf_tokenizer import build_tokenizer
 
@@ -27,17 +25,8 @@ logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_PERMUTED = {"llama", "mistral"}  # llama.cpp reorders their Q/K rows for its rotary layout
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
-_LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-          "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-          "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-          "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-          "attn_v.bias": "self_attn.v_proj.bias", "attn_q_norm.weight": "self_attn.q_norm.weight",
-          "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
-          "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
-_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+SOURCE_FILE = "gguf_source.json"  # read by model/gguf_weights.py
+_LAYOUT_VERSION = "2"  # 1 held the tensors dequantized to float32 safetensors
 _DONE = ".converted"
 
 
@@ -59,7 +48,7 @@ def checkpoint_dir(model: str, cache_root: Path | None = None) -> str:
         return model
     path = Path(model).resolve()
     stat = path.stat()
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{_LAYOUT_VERSION}".encode()).hexdigest()[:16]
     root = cache_root or default_cache_root()
     out = root / f"{path.stem}-{key}"
     if (out / _DONE).is_file():
@@ -86,7 +75,6 @@ def convert(path: Path, out: Path) -> None:
         import gguf
     except ImportError:  # pragma: no cover - gguf is a dependency of pdserve
         raise GGUFError("reading GGUF files needs the `gguf` package: pip install gguf") from None
-    from safetensors.numpy import save_file
     reader = gguf.GGUFReader(str(path))
     meta = {name: field.contents() for name, field in reader.fields.items()
             if not name.startswith("GGUF.")}
@@ -96,22 +84,11 @@ def convert(path: Path, out: Path) -> None:
     names = {t.name for t in reader.tensors}
     config = _config(meta, arch, names)
     out.mkdir(parents=True)
-    tensors = {}
-    for t in reader.tensors:
-        hf_name = _hf_name(t.name)
-        if hf_name is None:
-            raise GGUFError(f"{path.name}: tensor {t.name!r} has no place in a {arch} model")
-        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        data = data.reshape(tuple(int(n) for n in reversed(t.shape)))
-        if arch in _PERMUTED and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config["num_attention_heads"] if "q_proj" in hf_name else config["num_key_value_heads"]
-            data = _unpermute(data, heads)
-        tensors[hf_name] = np.ascontiguousarray(data)
-    save_file(tensors, str(out / "model.safetensors"))
     tokenizer, tokenizer_config = build_tokenizer({**meta, "context_length": config["max_position_embeddings"]})
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / SOURCE_FILE).write_text(json.dumps({"path": str(path)}))
 
 
 def _config(meta: dict, arch: str, tensor_names: set[str]) -> dict:
@@ -143,17 +120,3 @@ def _config(meta: dict, arch: str, tensor_names: set[str]) -> dict:
     if get("attention.sliding_window"):
         config["sliding_window"] = int(get("attention.sliding_window"))
     return config
-
-
-def _hf_name(name: str) -> str | None:
-    if name in _GLOBAL:
-        return _GLOBAL[name]
-    m = _BLOCK.fullmatch(name)
-    if m and m.group(2) in _LAYER:
-        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
-    return None
-
-
-def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row order (each head's rotary halves interleaved)."""
-    return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

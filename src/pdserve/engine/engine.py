@@ -27,6 +27,7 @@ from pdserve.kv_transfer.messages import Fingerprint
 from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadResult
 from pdserve.kv_transfer.params import FirstToken, KVTransferParams
 from pdserve.kv_transfer.scheduler_side import NoConnector, SchedulerConnector
+from pdserve.model.loader import weight_format
 from pdserve.model.parallel import check_tp_size, kv_head_range
 from pdserve.model.spec import ModelSpec, resolve_dtype
 from pdserve.outputs import RequestOutput, TokenLogprob
@@ -87,8 +88,9 @@ class Engine:
 
     def fingerprint(self) -> Fingerprint:
         """What a P/D peer must share with this engine before one reads the other's cache."""
-        spec = self.spec
-        return Fingerprint(model=spec.fingerprint(), dtype=str(self.dtype).replace("torch.", ""),
+        spec = self.spec  # the weights' format rides in `model`: a peer's mismatch names both
+        model = f"{spec.fingerprint()}+weights={weight_format(self.config.model, self.config.quantization)}"
+        return Fingerprint(model=model, dtype=str(self.dtype).replace("torch.", ""),
                            num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                            head_dim=spec.head_dim, block_size=self.config.cache.block_size)
 

@@ -9,6 +9,11 @@ batch 1 and prefills of 128 to 2,048 tokens within the noise (+-5 %) or faster, 
 on one thread was 30 % slower). Elsewhere (bfloat16, no MKL) the weight
 is a contiguous [in, out] tensor on huge pages, which `x @ w` reads faster than the [out, in]
 layout of `F.linear` (12.1 vs 15.8 ms for 8 small-model layers at 32 rows).
+
+Quantized weights (quant.py) run on torch's own CPU kernels, `_weight_int8pack_mm` and
+`_weight_int4pack_mm_for_cpu`, with bfloat16 activations: with float32 ones this torch takes a
+scalar path, 9x (int8) and 30x (int4) slower than float32's MKL GEMM at one row, while with
+bfloat16 they beat it 2.6x and 3.9x (bench/results/quant_kernels.json).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import functools
 import torch
 
 from pdserve.model.host_memory import huge_page_copy
+from pdserve.model.quant import QuantizedWeight, Weight, pad_rows
 
 _PACK_ROWS = 128  # MKL tunes its packing for this many rows; every row count computes correctly
 
@@ -66,3 +72,58 @@ class Linear:
         if self._packed is not None:
             return torch.ops.mkl._mkl_linear(x, self._packed, self._shape, None, x.shape[0])
         return x @ self._dense
+
+
+_COMPUTE = torch.bfloat16  # the activations torch's int8/int4 CPU kernels are vectorized for
+_INT8_K_MULTIPLE = 32  # torch 2.13's int8 kernel reads past rows (or crashes) for other input sizes
+_INT4_N_MULTIPLE = 16  # its int4 packing needs output rows in sixteens
+
+
+class Int8Linear:
+    """Per-output-channel int8 weight: [out, in] codes as stored, one scale per row."""
+
+    def __init__(self, weight: QuantizedWeight):
+        self.out_features, self.in_features = weight.shape
+        self.codes = huge_page_copy(weight.codes)
+        self.scales = weight.scales.to(_COMPUTE)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.to(_COMPUTE), self.codes, self.scales)
+        return y.to(x.dtype)
+
+
+class Int4Linear:
+    """Grouped int4 weight packed by `_convert_weight_to_int4pack_for_cpu`, with its scales and zeros
+    as the kernel wants them ([in / group, out, 2])."""
+
+    def __init__(self, weight: QuantizedWeight):
+        self.out_features, self.in_features = weight.shape
+        self.group_size = weight.group_size
+        rows = -(-self.out_features // _INT4_N_MULTIPLE) * _INT4_N_MULTIPLE
+        if rows != self.out_features:
+            weight = pad_rows(weight, rows)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
+        self.scales_zeros = torch.stack([weight.scales.t(), weight.zeros.t()], dim=-1).to(_COMPUTE).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(_COMPUTE), self.packed, self.group_size,
+                                                      self.scales_zeros)
+        if y.shape[1] != self.out_features:
+            y = y[:, : self.out_features]
+        return y.to(x.dtype)
+
+
+def make_linear(weight: Weight, dtype: torch.dtype) -> Linear | Int8Linear | Int4Linear:
+    """The layer for a weight as loaded: a float tensor (cast to `dtype`) or a quantized one. A
+    quantized weight the kernels cannot take (input size not a multiple of 32) runs dense."""
+    if isinstance(weight, torch.Tensor):
+        return Linear(weight.to(dtype))
+    if weight.shape[1] % _INT8_K_MULTIPLE:
+        return Linear(weight.dequantize(dtype))
+    return Int8Linear(weight) if weight.format == "int8" else Int4Linear(weight)
+
+
+def weight_bytes(layer) -> int:
+    """Bytes the layer's weights occupy (what one decode step reads)."""
+    return sum(t.numel() * t.element_size() for t in vars(layer).values()
+               if isinstance(t, torch.Tensor) and t.numel() > 1 and t.stride() != (0,) * t.dim())

@@ -2,24 +2,28 @@
 
 Runs in every TP rank. Each rank holds its query heads, its KV heads (replicated when TP > KV heads),
 its slice of the MLP, and its slice of the output vocabulary; `o_proj` and `down_proj` all-reduce.
-Weights come from a `get(name)` callable so the same code serves any safetensors layout.
+Weights come from a `get(name)` callable so the same code serves any safetensors layout; a weight it
+returns may be quantized (quant.py), and is sliced for this rank before it is packed.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+import dataclasses
+
 import torch
-import torch.nn.functional as F
 
 from pdserve.model.attention import AttentionMetadata, paged_attention
 from pdserve.model.fused import add_rms_norm, rope_write_kv, silu_mul
+from pdserve.model.embedding import Embedding
 from pdserve.model.layers import RotaryEmbedding, rms_norm
-from pdserve.model.linear import Linear
+from pdserve.model.linear import Int8Linear, make_linear, weight_bytes
 from pdserve.model.parallel import TPGroup, check_tp_size, kv_head_range, shard_range
+from pdserve.model.quant import Weight, cast, cat_rows, cols, pad_rows, rows
 from pdserve.model.spec import ModelSpec
 
-WeightGetter = Callable[[str], torch.Tensor]
+WeightGetter = Callable[[str], Weight]
 
 
 class DecoderLayer:
@@ -34,15 +38,15 @@ class DecoderLayer:
         q_rows = slice(heads.start * d, heads.stop * d)
         kv_rows = slice(kv_heads.start * d, kv_heads.stop * d)
 
-        def w(name: str) -> torch.Tensor:
-            return get(f"{prefix}.{name}").to(dtype)
+        def w(name: str) -> Weight:
+            return cast(get(f"{prefix}.{name}"), dtype)
 
         attn = "self_attn"
-        self.qkv_proj = Linear(torch.cat([
-            w(f"{attn}.q_proj.weight")[q_rows],
-            w(f"{attn}.k_proj.weight")[kv_rows],
-            w(f"{attn}.v_proj.weight")[kv_rows],
-        ]))
+        self.qkv_proj = make_linear(cat_rows([
+            rows(w(f"{attn}.q_proj.weight"), q_rows),
+            rows(w(f"{attn}.k_proj.weight"), kv_rows),
+            rows(w(f"{attn}.v_proj.weight"), kv_rows),
+        ]), dtype)
         self.qkv_bias = None
         if spec.qkv_bias:
             self.qkv_bias = torch.cat([
@@ -50,15 +54,15 @@ class DecoderLayer:
                 w(f"{attn}.k_proj.bias")[kv_rows],
                 w(f"{attn}.v_proj.bias")[kv_rows],
             ]).contiguous()
-        self.o_proj = Linear(w(f"{attn}.o_proj.weight")[:, q_rows])
+        self.o_proj = make_linear(cols(w(f"{attn}.o_proj.weight"), q_rows), dtype)
         if spec.qk_norm:
             self.q_norm = w(f"{attn}.q_norm.weight")
             self.k_norm = w(f"{attn}.k_norm.weight")
         lo, hi = shard_range(spec.intermediate_size, tp.rank, tp.size)
-        self.gate_up_proj = Linear(torch.cat([
-            w("mlp.gate_proj.weight")[lo:hi], w("mlp.up_proj.weight")[lo:hi],
-        ]))
-        self.down_proj = Linear(w("mlp.down_proj.weight")[:, lo:hi])
+        self.gate_up_proj = make_linear(cat_rows([
+            rows(w("mlp.gate_proj.weight"), slice(lo, hi)), rows(w("mlp.up_proj.weight"), slice(lo, hi)),
+        ]), dtype)
+        self.down_proj = make_linear(cols(w("mlp.down_proj.weight"), slice(lo, hi)), dtype)
         self.input_norm = w("input_layernorm.weight")
         self.post_attn_norm = w("post_attention_layernorm.weight")
 
@@ -97,23 +101,24 @@ class CausalLM:
         self.spec, self.tp, self.dtype = spec, tp, dtype
         self.rope = RotaryEmbedding(spec.head_dim, spec.max_model_len, spec.rope_theta,
                                     dict(spec.rope_scaling) or None, dtype)
-        self.embed = get("model.embed_tokens.weight").to(dtype)
+        embed = cast(get("model.embed_tokens.weight"), dtype)
         self.layers = [DecoderLayer(spec, tp, get, f"model.layers.{i}", dtype, self.rope)
                        for i in range(spec.num_layers)]
         self.norm = get("model.norm.weight").to(dtype)
-        head = self.embed if spec.tie_word_embeddings else get("lm_head.weight").to(dtype)
+        head = embed if spec.tie_word_embeddings else cast(get("lm_head.weight"), dtype)
         lo, hi = shard_range(spec.vocab_size, tp.rank, tp.size)
-        per_rank = -(-spec.vocab_size // tp.size)
-        shard = torch.zeros(per_rank, spec.hidden_size, dtype=dtype)  # padded so shards gather evenly
-        shard[: hi - lo] = head[lo:hi]
-        self.lm_head = Linear(shard)
+        per_rank = -(-spec.vocab_size // tp.size)  # padded so shards gather evenly
+        self.lm_head = make_linear(pad_rows(rows(head, slice(lo, hi)), per_rank), dtype)
+        if head is embed and isinstance(self.lm_head, Int8Linear) and per_rank == spec.vocab_size:
+            embed = dataclasses.replace(embed, codes=self.lm_head.codes)  # one copy of a tied int8 table
+        self.embed = Embedding(embed, dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [tokens] -> hidden states [tokens, hidden] after the final norm."""
-        x, delta = F.embedding(input_ids, self.embed), None
+        x, delta = self.embed(input_ids), None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             delta = layer(x, delta, positions, k_cache, v_cache, meta)
         return add_rms_norm(x, delta, self.norm, self.spec.rms_norm_eps)
@@ -125,3 +130,13 @@ class CausalLM:
         if logits is None:
             return None
         return logits[:, : self.spec.vocab_size].float()
+
+    def weight_bytes(self) -> int:
+        """Bytes this rank's weights occupy, a tied table counted once."""
+        linears = [self.lm_head] + [getattr(layer, name) for layer in self.layers
+                                    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+        norms = [self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_attn_norm)]
+        embed = self.embed.nbytes()
+        if isinstance(self.lm_head, Int8Linear) and self.embed.codes is self.lm_head.codes:
+            embed -= self.embed.codes.numel()
+        return sum(weight_bytes(lin) for lin in linears) + embed + sum(t.numel() * t.element_size() for t in norms)

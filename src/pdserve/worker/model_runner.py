@@ -24,6 +24,32 @@ class ModelRunner:
 
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor | None, list[str]]:
         """Run one step. Returns (logits [sampled rows, vocab] on rank 0, request ids of those rows)."""
+        hidden, ordered = self._forward(chunks)
+        rows, sampled_ids, row = [], [], 0
+        for c in ordered:
+            row += len(c.token_ids)
+            if c.sample:
+                rows.append(row - 1)
+                sampled_ids.append(c.request_id)
+        if not rows:
+            return None, []
+        return self.model.compute_logits(hidden[rows]), sampled_ids
+
+    def score(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One prefill of `token_ids` from position 0 (it overwrites the cache's first blocks): the
+        log-probability of each next token and the most likely one, [len - 1] each, on rank 0 (for
+        perplexity; bench/quality.py)."""
+        blocks = list(range(-(-len(token_ids) // self.block_size)))
+        hidden, _ = self._forward([ScheduledChunk("score", token_ids, 0, blocks, False)])
+        logits = self.model.compute_logits(hidden[:-1])
+        if logits is None:
+            return None
+        logprobs = torch.log_softmax(logits, dim=-1)
+        nxt = torch.tensor(token_ids[1:], dtype=torch.long)
+        return logprobs.gather(1, nxt[:, None])[:, 0], logits.argmax(dim=-1)
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """Hidden states [tokens, hidden] of every chunk, prefills first, and that order."""
         prefills = [c for c in chunks if len(c.token_ids) > 1]
         decodes = [c for c in chunks if len(c.token_ids) == 1]
         ordered = prefills + decodes
@@ -34,16 +60,7 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         meta = self._metadata(prefills, decodes, pos)
-        hidden = self.model.forward(input_ids, pos, self.kv_cache.layers, meta)
-        rows, sampled_ids, row = [], [], 0
-        for c in ordered:
-            row += len(c.token_ids)
-            if c.sample:
-                rows.append(row - 1)
-                sampled_ids.append(c.request_id)
-        if not rows:
-            return None, []
-        return self.model.compute_logits(hidden[rows]), sampled_ids
+        return self.model.forward(input_ids, pos, self.kv_cache.layers, meta), ordered
 
     def _metadata(self, prefills, decodes, pos: torch.Tensor) -> AttentionMetadata:
         bs = self.block_size

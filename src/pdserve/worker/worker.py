@@ -59,7 +59,7 @@ class Worker:
                                       config.parallel.dist_timeout_s, store)
         spec = ModelSpec.from_dir(config.model)
         dtype = resolve_dtype(config.dtype, spec)
-        self.model = load_model(config.model, spec, self.tp, dtype)
+        self.model = load_model(config.model, spec, self.tp, dtype, config.quantization)
         layout = CacheLayout(
             num_layers=spec.num_layers, num_blocks=num_blocks,
             num_kv_heads=self.model.layers[0].num_kv_heads, block_size=config.cache.block_size,

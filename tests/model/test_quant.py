@@ -1,0 +1,95 @@
+"""Quantized weights: int8/int4 layers on torch's kernels compute what their weights say, stay
+quantized in memory, shard for TP like float ones (TP 2 logits equal TP 1's), and int8 keeps the
+generated model's perplexity close to float32's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tp_threads import last_logits
+
+from pdserve.model.embedding import Embedding
+from pdserve.model.linear import Int4Linear, Int8Linear, Linear, make_linear, weight_bytes
+from pdserve.model.quant import quantize, quantize_int4, quantize_int8
+
+TEXT = Path(__file__).resolve().parent.parent / "data" / "prose.txt"
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+@pytest.mark.parametrize("fmt, layer", [("int8", Int8Linear), ("int4", Int4Linear)])
+@pytest.mark.parametrize("out_features, in_features", [(96, 64), (40, 576), (37, 128)])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_quantized_layers_compute_their_weights_product(fmt, layer, out_features, in_features, rows):
+    g = torch.Generator().manual_seed(rows * out_features)
+    w = torch.randn(out_features, in_features, generator=g) / in_features ** 0.5
+    x = torch.randn(rows, in_features, generator=g)
+    q = quantize(w, fmt)
+    lin = make_linear(q, torch.float32)
+    assert isinstance(lin, layer)
+    y = lin(x)
+    assert y.shape == (rows, out_features) and y.dtype == torch.float32
+    # bfloat16 activations: ~0.4 % per element; what the weights say, not the float weights
+    assert relative_error(y, x @ q.dequantize().t()) < 0.01
+    assert relative_error(y, x @ w.t()) < (0.02 if fmt == "int8" else 0.15)
+    if fmt == "int8":  # a byte per weight and a bfloat16 scale per row
+        assert weight_bytes(lin) == out_features * (in_features + 2)
+    else:  # half a byte per weight, a bfloat16 scale and zero per 32 (rows padded to sixteens)
+        rows16 = -(-out_features // 16) * 16
+        assert weight_bytes(lin) == rows16 * (in_features // 2 + in_features // 32 * 4)
+
+
+def test_an_input_size_the_kernels_cannot_take_runs_dense():
+    w = torch.randn(24, 20)
+    lin = make_linear(quantize_int8(w), torch.float32)
+    assert isinstance(lin, Linear)
+    x = torch.randn(3, 20)
+    torch.testing.assert_close(lin(x), x @ quantize_int8(w).dequantize().t(), rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_columns_split_on_group_boundaries_only():
+    q = quantize_int4(torch.randn(16, 128))
+    torch.testing.assert_close(q.cols(slice(64, 128)).dequantize(), q.dequantize()[:, 64:])
+    with pytest.raises(ValueError, match="cannot be split"):
+        q.cols(slice(0, 48))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_embeddings_look_up_the_dequantized_rows(fmt):
+    table = torch.randn(100, 64)
+    q = quantize_int8(table) if fmt == "int8" else quantize_int4(table)
+    ids = torch.tensor([0, 99, 7, 7])
+    torch.testing.assert_close(Embedding(q, torch.float32)(ids), q.dequantize()[ids])
+    assert Embedding(q, torch.float32).nbytes() < table.numel() * table.element_size() / 2
+
+
+PROMPT = [1] + [(37 * i) % 1000 + 7 for i in range(40)]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_tp2_logits_equal_tp1(tiny_model, quantization):
+    one = last_logits(tiny_model, 1, quantization, PROMPT)
+    two = last_logits(tiny_model, 2, quantization, PROMPT)
+    assert relative_error(two, one) < 0.01
+    assert two.argmax() == one.argmax()
+    full = last_logits(tiny_model, 1, None, PROMPT)
+    assert relative_error(one, full) > 1e-4  # the quantized weights were used
+
+
+@pytest.fixture(scope="module")
+def prose_ids(tiny_model) -> list[int]:
+    from pdserve.text.tokenizer import Tokenizer
+    return Tokenizer(tiny_model).encode(TEXT.read_text())[:1024]
+
+
+def test_int8_keeps_the_generated_models_perplexity(tiny_model, prose_ids):
+    from pdserve.bench.quality import Scorer, agreement
+    full = Scorer(tiny_model, window=256).score(prose_ids)
+    int8 = Scorer(tiny_model, quantization="int8", window=256).score(prose_ids)
+    assert full.num_tokens == int8.num_tokens == len(prose_ids) - 1
+    assert abs(int8.perplexity / full.perplexity - 1) < 0.05
+    assert agreement(int8, full) > 0.9
