@@ -87,6 +87,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-handshake-timeout-s", type=float, default=10.0)
     p.add_argument("--kv-transfer-timeout-s", type=float, default=30.0)
     p.add_argument("--kv-load-failure-policy", default="fail", choices=["fail", "recompute"])
+    p.add_argument("--kv-pull-min-tokens", type=int, default=64,
+                   help="a producer whose proxy names instances caching a later turn's prompt (decode "
+                        "instances that served the earlier turns) READs that many uncached prompt tokens "
+                        "or more from them instead of computing them (0: never)")
     p.add_argument("--kv-clock-skew-s", type=float, default=5.0,
                    help="signed params are still accepted this long after their expiry (the producer's "
                         "and this host's clocks may differ; at most 300)")
@@ -105,10 +109,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "copies at one core's speed; more than the rank's cores does not help)")
 
 
-def engine_config(args) -> EngineConfig:
-    kv = None
-    if not args.no_kv_transfer:
-        secret = os.environ.get("PDSERVE_KV_SECRET")
 def add_quantization_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q", default=None, choices=["none", "int8", "int4"],
                    help="weights kept quantized: int8 per output channel, int4 in groups of 32 (embedding "
@@ -116,6 +116,10 @@ def add_quantization_arg(p: argparse.ArgumentParser) -> None:
                         "Q8_0 as int8, Q4_0/Q4_1/Q4_K as int4, others dequantized; else none)")
 
 
+def engine_config(args) -> EngineConfig:
+    kv = None
+    if not args.no_kv_transfer:
+        secret = os.environ.get("PDSERVE_KV_SECRET")
         previous = os.environ.get("PDSERVE_KV_SECRET_PREVIOUS")  # accepted, never signed with (rotation)
         kv = KVTransferConfig(
             side_channel_host=args.side_channel_host, side_channel_port=args.side_channel_port,
@@ -141,7 +145,8 @@ def add_quantization_arg(p: argparse.ArgumentParser) -> None:
                           kv_cache_gib=args.kv_cache_gib,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  kv_pull_min_tokens=args.kv_pull_min_tokens),
         parallel=ParallelConfig(tensor_parallel_size=tp, rank_cpus=rank_cpus),
         kv_transfer=kv,
         kv_events=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else KVEventsConfig())
@@ -231,12 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--dtype", default="auto")
+    add_quantization_arg(p)
     p.add_argument("--num-threads", type=int, default=None)
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("serve", help="run one OpenAI-compatible instance")
     p.add_argument("model", nargs="?", default=None,
-    add_quantization_arg(p)
                    help="checkpoint directory or .gguf file (default: the generated small model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed)")

@@ -51,9 +51,12 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # token budget of one step
     enable_chunked_prefill: bool = True
+    kv_pull_min_tokens: int = 64  # a producer pulls uncached prompt blocks from a holder from this many
+    # tokens on (fewer are computed: a pull's round trips cost more); 0 never pulls
 
     def __post_init__(self):
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _check(self.kv_pull_min_tokens >= 0, "kv_pull_min_tokens", f"must be >= 0, got {self.kv_pull_min_tokens}")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"must be >= 1, got {self.max_num_batched_tokens}")
 
@@ -182,10 +185,10 @@ class KVEventsConfig:
 class EngineConfig:
     model: str
     dtype: str = "auto"
+    quantization: str | None = None  # weights: none, int8, int4; None = the checkpoint's own (GGUF's)
     seed: int = 0
     max_model_len: int | None = None  # defaults to the checkpoint's context
     num_threads: int | None = None  # torch threads per rank; None = cores available / TP size
-    quantization: str | None = None  # weights: none, int8, int4; None = the checkpoint's own (GGUF's)
     chat_template: str | None = None  # a file or template text that wins over the checkpoint's
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
@@ -196,11 +199,11 @@ class EngineConfig:
     def __post_init__(self):
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _check(self.quantization in (None, "none", "int8", "int4"), "quantization",
+               f"must be none, int8 or int4, got {self.quantization!r}")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                f"must be >= 2, got {self.max_model_len}")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
-        _check(self.quantization in (None, "none", "int8", "int4"), "quantization",
-               f"must be none, int8 or int4, got {self.quantization!r}")
                f"must be >= 1, got {self.num_threads}")
 
     def threads_per_rank(self) -> int:

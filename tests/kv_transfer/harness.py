@@ -47,12 +47,12 @@ def config(**kw) -> KVTransferConfig:
 
 class Instance:
     def __init__(self, name: str, tp_size: int, world: "World", num_kv_heads: int = 4, num_blocks: int = 32,
-                 model: str = "m", **config_kw):
+                 model: str = "m", prefix_caching: bool = False, **config_kw):
         self.engine_id = name
         self.tp_size = tp_size
         self.world = world
         self.num_kv_heads = num_kv_heads
-        self.pool = BlockPool(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
+        self.pool = BlockPool(num_blocks, BLOCK_SIZE, enable_prefix_caching=prefix_caching, model_key=model)
         self.config = config(**config_kw)
         self.local_heads = [kv_head_range(r, tp_size, num_kv_heads) for r in range(tp_size)]
         self.caches = [np.zeros((NUM_LAYERS, 2, num_blocks, len(h), BLOCK_SIZE, HEAD_DIM), np.float32)
@@ -63,7 +63,8 @@ class Instance:
         fingerprint = Fingerprint(model, "float32", NUM_LAYERS, num_kv_heads, HEAD_DIM, BLOCK_SIZE)
         self.connector = SchedulerConnector(self.config, name, fingerprint,
                                             [w.rank_agent() for w in self.workers],
-                                            network=world.network, clock=world.clock)
+                                            network=world.network, clock=world.clock,
+                                            caches=self.pool.cached.__contains__)
         self.blocks: dict[str, list[int]] = {}  # request id -> local blocks (what the engine would own)
         self.outcomes: list[LoadOutcome] = []
 
@@ -71,6 +72,10 @@ class Instance:
 
     def step(self) -> None:
         self.pool.release_quarantine(self.world.clock())
+        for pending in self.connector.pending_claims():  # what Engine._grant_claims does
+            blocks = self.pool.held_run(pending.claim.block_hashes)
+            self.pool.take(blocks)
+            self.connector.grant(pending, blocks)
         self.apply(self.connector.tick())
         meta = self.connector.build_metadata()
         for w in self.workers:

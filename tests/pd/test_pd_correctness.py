@@ -171,3 +171,29 @@ def test_a_next_turn_reads_only_what_decode_lacks_and_a_full_hit_reads_nothing(p
     for inst in pd.instances:
         s = wait_idle(inst)
         assert s["num_free_blocks"] == s["num_blocks"], f"{inst.role} holds blocks: {s}"
+
+
+def test_a_producer_that_lost_the_history_pulls_it_from_decode(pd):
+    """After turn 1 the producer's prefix cache is reset (as after an eviction); decode still holds
+    turn 1's prompt and answer. Turn 2's producer READs those blocks from decode (the proxy names
+    decode as a holder) and computes only the rest; decode READs only the new blocks; the answer is
+    transformers' and nothing stays pinned."""
+    prefill, decode = pd.prefill[0], pd.decode[0]
+    first = prompt(60, seed=600)
+    answer = complete(pd.proxy.url, first)["choices"][0]["token_ids"]
+    assert post_json(prefill.url + "/reset_prefix_cache", {})[0] == 200
+    second = first + answer + prompt(20, seed=601)  # 96 tokens: six blocks
+    before = [metric(prefill, n) for n in ("pdserve:kv_blocks_pulled_total",
+                                           "pdserve:prompt_tokens_computed_total")]
+    read0 = metric(decode, "pdserve:kv_blocks_read_total")
+    ours = complete(pd.proxy.url, second)["choices"][0]["token_ids"]
+    assert_greedy_match(ours, hf_reference(pd.model, second, MAX_TOKENS), f"P{pd.p_tp}D{pd.d_tp} pulled")
+    held = (len(first) + len(answer) - 1) // 16  # decode computed all but the last answer token
+    pulled, computed = (metric(prefill, n) - b for n, b in zip(
+        ("pdserve:kv_blocks_pulled_total", "pdserve:prompt_tokens_computed_total"), before))
+    assert (pulled, computed) == (held, len(second) - 16 * held)
+    assert metric(decode, "pdserve:kv_blocks_read_total") - read0 == 6 - held
+    assert metric(decode, "pdserve:kv_blocks_claimed_total") >= held
+    for inst in pd.instances:
+        s = wait_idle(inst)
+        assert s["num_free_blocks"] == s["num_blocks"], f"{inst.role} holds blocks: {s}"

@@ -91,6 +91,17 @@ class BlockPool:
             hits.append(block)
         return hits
 
+    def held_run(self, block_hashes: list[bytes]) -> list[int]:
+        """The blocks caching the leading run of these content hashes (a claim from another
+        instance: the digest covers the tokens, the chain before them and the extra keys)."""
+        blocks = []
+        for h in block_hashes:
+            block = self.cached.get(h) if self.enable_prefix_caching else None
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's blocks that are now full of computed tokens. A hash another block
         already holds is not registered twice (this copy stays private to the request)."""

@@ -78,7 +78,8 @@ class Engine:
         self.connector = NoConnector()
         if config.kv_transfer is not None:
             self.connector = SchedulerConnector(config.kv_transfer, self.engine_id, self.fingerprint(),
-                                                self.executor.rank_agents, wake=lambda: self.wake())
+                                                self.executor.rank_agents, wake=lambda: self.wake(),
+                                                caches=self.pool.cached.__contains__)
         self.scheduler = Scheduler(config.scheduler, self.pool)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._pending: list[RequestOutput] = []  # produced outside a step (first tokens, failures)
@@ -225,14 +226,29 @@ class Engine:
                 self.pool.quarantine_blocks(list(o.quarantine_blocks), o.quarantine_until)
                 in_doubt = set(o.quarantine_blocks)
                 request.block_ids = [b for b in request.block_ids if b not in in_doubt]
+            pull = request.transfer == TransferState.PRODUCING  # blocks a holder cached for it
             if o.result == LoadResult.LOADED:
-                self.scheduler.remote_kv_loaded(request)
+                if pull:
+                    self.scheduler.remote_kv_pulled(request, o.num_blocks)
+                else:
+                    self.scheduler.remote_kv_loaded(request)
             elif o.result == LoadResult.RECOMPUTE:
-                self.scheduler.recompute_locally(request)
+                if pull:
+                    self.scheduler.pull_failed(request)
+                else:
+                    self.scheduler.recompute_locally(request)
             elif o.result == LoadResult.ABORTED:
                 self._end(request, RequestStatus.FINISHED_ABORTED)
             else:
                 self._end(request, RequestStatus.FINISHED_ERROR, o.message)
+
+    def _grant_claims(self) -> None:
+        """Other instances' producers claim prompt blocks this instance caches: pin the leading run
+        it holds (one reference each, under a lease the connector keeps)."""
+        for pending in self.connector.pending_claims():
+            blocks = self.pool.held_run(pending.claim.block_hashes)
+            self.pool.take(blocks)
+            self.connector.grant(pending, blocks)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
@@ -256,9 +272,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         self.pool.release_quarantine(time.monotonic())
+        self._grant_claims()
         self._apply(self.connector.tick())
         sched = self.scheduler.schedule()
-        self._apply(self.connector.start_loads(sched.remote_loads))
+        self._apply(self.connector.start_loads(sched.remote_loads, sched.remote_pulls))
         meta = self.connector.build_metadata()
         if sched.is_empty and not sched.finished_request_ids and meta is None:
             self.executor.check_ranks()  # an idle engine finds a dead rank too (raises)
@@ -297,7 +314,8 @@ class Engine:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_waiting_for_remote_kv": len(self.scheduler.loading),
                 "kv_cache_usage": 1 - self.pool.num_free_blocks / self.num_blocks,
-                "num_leased_blocks": self.connector.num_leased_blocks()}
+                "num_leased_blocks": self.connector.num_leased_blocks(),
+                "kv_holder": self.connector.holder()}  # producers may claim cached blocks here
 
     def stats(self, drain: bool = False) -> dict:
         """Counts for /metrics; `drain` also hands over the connector's new per-transfer records."""

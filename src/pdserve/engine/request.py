@@ -88,6 +88,7 @@ class Request:
         self.num_registered_blocks = 0  # of its blocks, how many the prefix cache has considered
         self.arrival_time = time.monotonic()
         self.sent_to_workers = False  # the sampler on rank 0 knows this request
+        self.pull_tried = False  # a producer request asked holders for its uncached blocks once
         self.transfer = TransferState.initial(kv_transfer)
         self.stop_reason: str | int | None = None
         # detokenization state (see text/detokenizer.py)

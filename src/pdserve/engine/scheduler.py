@@ -16,7 +16,7 @@ from collections import deque
 from pdserve.config import SchedulerConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request, RequestStatus, TransferState
-from pdserve.kv_transfer.outcomes import RemoteLoad
+from pdserve.kv_transfer.outcomes import RemoteLoad, RemotePull
 from pdserve.prefix_cache.hashing import wire_hash
 from pdserve.worker.messages import NewRequest, SamplingSpec, ScheduledChunk
 
@@ -29,6 +29,8 @@ class SchedulerOutput:
     num_preempted: int = 0
     remote_loads: list[RemoteLoad] = dataclasses.field(default_factory=list)  # admitted to
     # WAITING_FOR_REMOTE_KV this step, for the connector
+    remote_pulls: list[RemotePull] = dataclasses.field(default_factory=list)  # ... producer requests
+    # that READ prompt blocks from a holder
 
     @property
     def is_empty(self) -> bool:
@@ -91,6 +93,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequest] = []
         remote_loads: list[RemoteLoad] = []
+        remote_pulls: list[RemotePull] = []
         preempted = 0
 
         for request in list(self.running):
@@ -118,6 +121,11 @@ class Scheduler:
                 continue
             if self._num_seqs >= self.config.max_num_seqs:
                 break
+            pulled = self._admit_pull(request, remote_pulls) if self._may_pull(request) else None
+            if pulled is not None:
+                if not pulled:
+                    break
+                continue
             if not self._admit(request, budget):
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -125,7 +133,7 @@ class Scheduler:
             budget -= num_new
 
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(chunks, new_requests, finished, preempted, remote_loads)
+        return SchedulerOutput(chunks, new_requests, finished, preempted, remote_loads, remote_pulls)
 
     def advance(self, out: SchedulerOutput) -> None:
         """Record the tokens the ranks just computed."""
@@ -220,6 +228,59 @@ class Scheduler:
         ours = [wire_hash(h) for h in self.pool.block_hashes(request, len(hits))]
         agreed = next((i for i, (a, b) in enumerate(zip(ours, theirs or ())) if a != b), len(hits))
         return hits[:agreed]
+
+    def _may_pull(self, request: Request) -> bool:
+        kv = request.kv_transfer
+        return bool(kv is not None and kv.kv_holders and not request.pull_tried
+                    and self.config.kv_pull_min_tokens > 0)
+
+    def _admit_pull(self, request: Request, remote_pulls: list[RemotePull]) -> bool | None:
+        """A producer request whose proxy named holders (instances that may cache a later turn's
+        prompt): when the prompt's full blocks this instance lacks are worth it, allocate them and
+        let the connector READ them from a holder instead of computing them (at least one token is
+        left to compute, for the first token). None: not worth it, admit as usual."""
+        hits = self.pool.match_prefix(request)
+        bs = self.pool.block_size
+        num_full = (request.num_tokens - 1) // bs
+        gap = num_full - len(hits)
+        if gap * bs < self.config.kv_pull_min_tokens:
+            return None
+        self.pool.take(hits)
+        if gap > self.pool.num_free_blocks:
+            self.pool.release(hits)
+            return False
+        request.pull_tried = True
+        new = self.pool.allocate(gap)
+        request.block_ids = hits + new
+        request.num_computed_tokens = request.num_cached_tokens = len(hits) * bs
+        if self.pool.enable_prefix_caching:
+            self.num_prefix_cache_queries += request.num_prompt_tokens
+            self.num_prefix_cache_hits += request.num_cached_tokens
+        self.waiting.popleft()
+        request.move_to(RequestStatus.WAITING_FOR_REMOTE_KV)
+        self.loading.append(request)
+        hashes = self.pool.block_hashes(request, num_full)[len(hits):]
+        remote_pulls.append(RemotePull(request.request_id, list(new), hashes, request.kv_transfer.kv_holders))
+        return True
+
+    def remote_kv_pulled(self, request: Request, num_blocks: int) -> None:
+        """A pull READ `num_blocks` of the blocks it asked for: the prefill goes on after them."""
+        self.loading.remove(request)
+        request.num_computed_tokens += num_blocks * self.pool.block_size
+        self.pool.cache_full_blocks(request)
+        request.move_to(RequestStatus.RUNNING)
+        self.running.append(request)
+
+    def pull_failed(self, request: Request) -> None:
+        """A pull got nothing (or failed): prefill the prompt here, first in line."""
+        if request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            return
+        self.loading.remove(request)
+        self.pool.release(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.move_to(RequestStatus.WAITING)
+        self.waiting.appendleft(request)
 
     def remote_kv_loaded(self, request: Request) -> None:
         self.loading.remove(request)

@@ -23,8 +23,9 @@ from pdserve.kv_transfer.lease_keeper import HeartbeatReplied, LeaseKeeper
 from pdserve.kv_transfer.load import IN_FLIGHT, NOT_READING, Claims, Load, LoadState
 from pdserve.kv_transfer.messages import (ConnectorReport, Fingerprint, HeartbeatAck, LeaseAnswer, PeerAgents,
                                           ReadFailure, ReadSpec)
-from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadOutcome, LoadResult, RemoteLoad
-from pdserve.kv_transfer.params import KVTransferParams
+from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadOutcome, LoadResult, RemoteLoad, RemotePull
+from pdserve.kv_transfer.params import Holder, KVTransferParams
+from pdserve.kv_transfer.pull import ClaimReplied, Puller
 from pdserve.kv_transfer.signing import verify
 from pdserve.sampling_params import InvalidRequestError
 
@@ -50,14 +51,15 @@ class ConsumerSide:
         self.outcome = outcome
         self.clock = clock
         self._wake = wake  # ends the engine loop's sleep (called on the side channel's thread)
-        self._events: queue.SimpleQueue[HandshakeReplied | HeartbeatReplied] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[HandshakeReplied | HeartbeatReplied | ClaimReplied] = queue.SimpleQueue()
         self.peers = PeerTable(client, fingerprint, tp_size, num_kv_heads, config.handshake_timeout_s,
                                self._event, clock)
         self.loads: dict[str, Load] = {}
         self.claims = Claims()
         self.leases = LeaseKeeper(config, engine_id, tp_size, client, clock, self._event)
+        self.puller = Puller(config, engine_id, client, self._event)
         self.counters = {"nixl_num_failed_transfers": 0, "kv_transfers": 0, "kv_blocks_read": 0,
-                         "kv_blocks_read_skipped": 0}
+                         "kv_blocks_read_skipped": 0, "kv_blocks_pulled": 0}
         self.transfers: deque[dict] = deque(maxlen=TRANSFERS_KEPT)
 
     # --- requests (engine thread) -------------------------------------------------------------
@@ -81,6 +83,17 @@ class ConsumerSide:
             params.remote_engine_id, params.remote_host, params.remote_port, params.producer_tp_size)
         self.leases.heartbeat(peer.engine_id, peer.host, peer.port, [load])
 
+    def check_holders(self, holders: tuple[Holder, ...]) -> None:
+        """A producer request names instances to claim blocks from: each must be signed by one of
+        this deployment's instances (and be among --kv-producers when those are listed)."""
+        for i, holder in enumerate(holders):
+            field = f"kv_transfer_params.kv_holders[{i}]"
+            verify(holder, self.config.secret, time.time(), previous=self.config.previous_secret,
+                   skew_s=self.config.clock_skew_s, field=field)
+            if self.config.producers and f"{holder.host}:{holder.port}" not in self.config.producers:
+                raise InvalidRequestError(f"{field}.host", f"{holder.host}:{holder.port} is not one of this "
+                                                           "instance's peers (--kv-producers)")
+
     def admit(self, admitted: RemoteLoad) -> None:
         """The request got its local blocks (prompt + first token), the first `num_cached_blocks`
         of them already holding the prompt's KV here. When they hold all of it nothing is READ:
@@ -96,9 +109,15 @@ class ConsumerSide:
         load.move_to(LoadState.WAITING_PEER)
         self._promote(load)
 
+    def pull(self, spec: RemotePull) -> None:
+        """A producer request waits for blocks its holders may have (pull.py)."""
+        self.puller.start(spec)
+
     def abort(self, request_id: str) -> bool:
         """True when the engine must wait for an ABORTED outcome (a READ into the request's blocks
         may be in flight)."""
+        if self.puller.abort(request_id):
+            return False
         load = self.loads.get(request_id)
         if load is None:
             return False
@@ -111,6 +130,7 @@ class ConsumerSide:
 
     def finished(self, request_id: str) -> None:
         """The engine ended the request; a load that never started reading tells the producer."""
+        self.puller.abort(request_id)
         load = self.loads.get(request_id)
         if load is not None and load.state in NOT_READING:
             self._drop(load, "request ended before reading")
@@ -126,6 +146,8 @@ class ConsumerSide:
                 break
             if isinstance(event, HandshakeReplied):
                 self._on_handshake(event)
+            elif isinstance(event, ClaimReplied):
+                self._on_claim(event)
             else:
                 self._on_heartbeat(event)
         now = self.clock()
@@ -192,6 +214,19 @@ class ConsumerSide:
         for load in right:
             self._promote(load)
 
+    def _on_claim(self, event: ClaimReplied) -> None:
+        load = self.puller.replied(event)
+        if load is False:
+            self.outcome.loads.append(LoadOutcome(event.request_id, LoadResult.RECOMPUTE,
+                                                  "no holder caches the prompt's blocks"))
+        elif load is not None:  # a holder leased some: read them as a consumer reads a hand-off
+            self.loads[load.request_id] = load
+            load.move_to(LoadState.WAITING_PEER)
+            p = load.params
+            peer = self.peers.get(p.remote_engine_id) or self.peers.handshake(
+                p.remote_engine_id, p.remote_host, p.remote_port, p.producer_tp_size)
+            self.leases.heartbeat(peer.engine_id, peer.host, peer.port, [load])
+
     def _on_heartbeat(self, event: HeartbeatReplied) -> None:
         reply = event.reply
         if not isinstance(reply, HeartbeatAck) or len(reply.answers) != len(event.request_ids):
@@ -234,12 +269,12 @@ class ConsumerSide:
         if not failures and not stalled:
             done = list(load.results.values())
             self.counters["kv_transfers"] += 1
-            self.counters["kv_blocks_read"] += len(load.read_block_ids)
+            self.counters["kv_blocks_pulled" if load.pull else "kv_blocks_read"] += len(load.read_block_ids)
             self.transfers.append({"num_bytes": sum(d.num_bytes for d in done),
                                    "num_descriptors": sum(d.num_descriptors for d in done),
                                    "duration_s": max(d.duration_s for d in done)})
             result = LoadResult.ABORTED if aborted else LoadResult.LOADED
-            self.outcome.loads.append(LoadOutcome(load.request_id, result))
+            self.outcome.loads.append(LoadOutcome(load.request_id, result, num_blocks=len(load.read_block_ids)))
             return
         self.counters["nixl_num_failed_transfers"] += 1
         reasons = "; ".join(sorted({f.reason for f in failures}) or ["some ranks never reported their READ"])
@@ -262,8 +297,9 @@ class ConsumerSide:
         self._decide(load, message, None)
 
     def _decide(self, load: Load, message: str, quarantine_until: float | None) -> None:
-        """Policy `fail`: the client gets `message`; `recompute`: prefill here instead."""
-        recompute = self.config.failure_policy == "recompute"
+        """Policy `fail`: the client gets `message`; `recompute`: prefill here instead (always, for
+        a pull: the producer computes what it could not read)."""
+        recompute = self.config.failure_policy == "recompute" or load.pull
         logger.warning("%s: %s%s", load.request_id, message, "; recomputing the prompt locally" * recompute)
         result = LoadResult.RECOMPUTE if recompute else LoadResult.FAILED
         in_doubt = tuple(load.read_block_ids) if quarantine_until is not None else ()

@@ -49,6 +49,7 @@ class Load:
     reports_due: float = 0.0  # READING: the ranks must have reported by then
     results: dict[int, ReadDone | ReadFailure] = dataclasses.field(default_factory=dict)
     released: bool = False  # the producer was told to free its blocks
+    pull: bool = False  # a producer pulling blocks a holder caches: a failure means computing them
 
     @property
     def engine_id(self) -> str:

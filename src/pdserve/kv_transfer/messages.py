@@ -3,7 +3,8 @@
 * engine -> TP rank, once per step: `ConnectorMetadata`; TP rank -> engine: `ConnectorReport`
 * TP rank -> engine, once at start: `RankAgent` (what a peer needs to read this rank's cache)
 * consumer rank -> producer rank, over NIXL notifications: `Notification`
-* consumer engine <-> producer engine, over the ZMQ side channel: `Handshake*`, `Heartbeat*`, `Release`
+* consumer engine <-> producer engine, over the ZMQ side channel: `Handshake*`, `Heartbeat*`, `Release`;
+  a producer pulling a conversation's history from a decode instance first asks it with a `Claim`
 """
 
 from __future__ import annotations
@@ -190,11 +191,32 @@ class ReleaseAck(msgspec.Struct, frozen=True, tag="release_ack"):
     num_released: int
 
 
+Digest = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+
+
+class Claim(msgspec.Struct, frozen=True, tag="claim"):
+    """A producer asks an instance that may hold a prompt's blocks (a decode instance that served
+    the conversation's earlier turns) to lease the leading run of them it caches, by content hash
+    (prefix_cache.hashing digests, in order), so that the producer READs them instead of
+    computing them. The reply's lease is unbound, like a hand-off's: the claimer's first heartbeat
+    binds it."""
+
+    claimer_engine_id: Name
+    block_hashes: Annotated[list[Digest], msgspec.Meta(max_length=MAX_IDS_PER_MESSAGE)]
+
+
+class ClaimReply(msgspec.Struct, frozen=True, tag="claim_reply"):
+    lease_id: str  # "" when none of the blocks is held here
+    block_ids: list[int]  # the leading run of the claimed hashes this instance holds, in order
+    holder_tp_size: int
+    lease_s: float
+
+
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
     """A request the server could not take (unauthenticated, replayed, malformed, over a bound)."""
 
     error: str
 
 
-SideChannelRequest = HandshakeRequest | Heartbeat | Release
-SideChannelReply = HandshakeReply | HeartbeatAck | ReleaseAck | ErrorReply
+SideChannelRequest = HandshakeRequest | Heartbeat | Release | Claim
+SideChannelReply = HandshakeReply | HeartbeatAck | ReleaseAck | ClaimReply | ErrorReply

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from pdserve.kv_transfer.params import Holder
+
 
 class LoadResult(enum.Enum):
     LOADED = "loaded"  # the KV arrived: the request runs from its first generated token
@@ -30,6 +32,17 @@ class RemoteLoad:
 
 
 @dataclasses.dataclass(frozen=True)
+class RemotePull:
+    """A producer request the scheduler admitted to pull the prompt's blocks it does not cache from
+    instances that may (`holders`): the local blocks to fill and those blocks' content hashes."""
+
+    request_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    holders: tuple[Holder, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class LoadOutcome:
     request_id: str
     result: LoadResult
@@ -38,6 +51,7 @@ class LoadOutcome:
     # block): keep them out of reuse until then.
     quarantine_until: float | None = None
     quarantine_blocks: tuple[int, ...] = ()
+    num_blocks: int = 0  # LOADED: how many blocks were READ (a pull may get fewer than it asked)
 
 
 @dataclasses.dataclass(frozen=True)

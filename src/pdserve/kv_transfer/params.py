@@ -23,6 +23,7 @@ FIELD = "kv_transfer_params"
 MAX_TP = 1024
 MAX_BLOCKS = 1 << 20
 MAX_LEASE_S = 24 * 3600.0
+MAX_HOLDERS = 8
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-]{0,252}|[0-9A-Fa-f:.]{2,45}")  # DNS name, IPv4 or IPv6
 
 
@@ -36,6 +37,41 @@ class FirstToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Holder:
+    """An instance that may cache a later turn's prompt (a decode instance that served earlier
+    turns), as it signed itself (its /health offers this): where a producer may claim those blocks
+    instead of computing them. The proxy hands producers the holders it knows (`kv_holders`)."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    expires_at: float | None = None
+    signature: str | None = None
+
+    @classmethod
+    def parse(cls, obj: Any, field: str) -> "Holder":
+        if not isinstance(obj, dict):
+            raise InvalidRequestError(field, f"must be an object, got {type(obj).__name__}")
+        p = _Reader(obj, field)
+        holder = cls(engine_id=p.str("engine_id"), host=p.host("host"), port=p.int("port", lo=1, hi=65535),
+                     tp_size=p.int("tp_size", lo=1, hi=MAX_TP), expires_at=p.float("expires_at", lo=0.0, hi=1e11),
+                     signature=p.hex("signature", 64))
+        for name in ("engine_id", "host", "port", "tp_size"):
+            if getattr(holder, name) is None:
+                raise InvalidRequestError(f"{field}.{name}", "is required")
+        return holder
+
+    def to_json(self) -> dict:
+        out = {"engine_id": self.engine_id, "host": self.host, "port": self.port, "tp_size": self.tp_size}
+        if self.expires_at is not None:
+            out["expires_at"] = self.expires_at
+        if self.signature is not None:
+            out["signature"] = self.signature
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +91,7 @@ class KVTransferParams:
     lease_s: float | None = None
     expires_at: float | None = None  # wall clock: the consumer must accept the params before
     signature: str | None = None  # the producer's HMAC over every other field (signing.py)
+    kv_holders: tuple[Holder, ...] = ()  # proxy -> P: instances to claim the prompt's blocks from
 
     @classmethod
     def parse(cls, obj: Any) -> "KVTransferParams | None":
@@ -81,6 +118,7 @@ class KVTransferParams:
             lease_s=p.float("lease_s", lo=0.0, hi=MAX_LEASE_S),
             expires_at=p.float("expires_at", lo=0.0, hi=1e11),
             signature=p.hex("signature", 64),
+            kv_holders=p.holders("kv_holders"),
         )
         if params.do_remote_decode and params.do_remote_prefill:
             raise InvalidRequestError(f"{FIELD}.do_remote_prefill",
@@ -163,16 +201,25 @@ class KVTransferParams:
 class _Reader:
     """Typed access to the JSON object; every error names `kv_transfer_params.<key>`."""
 
-    def __init__(self, obj: dict):
+    def __init__(self, obj: dict, field: str = FIELD):
         self.obj = obj
+        self.field = field
 
     def _get(self, key: str, types: tuple, what: str):
         value = self.obj.get(key)
         if value is None:
             return None
         if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-            raise InvalidRequestError(f"{FIELD}.{key}", f"must be {what}, got {value!r}")
+            raise InvalidRequestError(f"{self.field}.{key}", f"must be {what}, got {value!r}")
         return value
+
+    def holders(self, key: str) -> tuple[Holder, ...]:
+        value = self._get(key, (list,), "a list of holders")
+        if value is None:
+            return ()
+        if len(value) > MAX_HOLDERS:
+            raise InvalidRequestError(f"{self.field}.{key}", f"must hold at most {MAX_HOLDERS} holders")
+        return tuple(Holder.parse(v, f"{self.field}.{key}[{i}]") for i, v in enumerate(value))
 
     def bool(self, key: str) -> bool:
         return bool(self._get(key, (bool,), "a boolean"))
@@ -180,13 +227,13 @@ class _Reader:
     def str(self, key: str) -> str | None:
         value = self._get(key, (str,), "a string")
         if value is not None and not 0 < len(value) <= 256:
-            raise InvalidRequestError(f"{FIELD}.{key}", "must be 1 to 256 characters")
+            raise InvalidRequestError(f"{self.field}.{key}", "must be 1 to 256 characters")
         return value
 
     def hex(self, key: str, length: int) -> str | None:
         value = self.str(key)
         if value is not None and (len(value) != length or any(c not in "0123456789abcdef" for c in value)):
-            raise InvalidRequestError(f"{FIELD}.{key}", f"must be {length} lowercase hex digits")
+            raise InvalidRequestError(f"{self.field}.{key}", f"must be {length} lowercase hex digits")
         return value
 
     def hex_list(self, key: str, length: int) -> tuple[str, ...] | None:
@@ -195,26 +242,26 @@ class _Reader:
             return None
         if len(value) > MAX_BLOCKS or any(not isinstance(v, str) or len(v) != length
                                           or any(c not in "0123456789abcdef" for c in v) for v in value):
-            raise InvalidRequestError(f"{FIELD}.{key}",
+            raise InvalidRequestError(f"{self.field}.{key}",
                                       f"must be at most {MAX_BLOCKS} strings of {length} lowercase hex digits")
         return tuple(value)
 
     def host(self, key: str) -> str | None:
         value = self.str(key)
         if value is not None and not _HOST.fullmatch(value):
-            raise InvalidRequestError(f"{FIELD}.{key}", f"is not a host name or address: {value!r}")
+            raise InvalidRequestError(f"{self.field}.{key}", f"is not a host name or address: {value!r}")
         return value
 
     def int(self, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
         value = self._get(key, (int,), "an integer")
         if value is not None and (lo is not None and value < lo or hi is not None and value > hi):
-            raise InvalidRequestError(f"{FIELD}.{key}", f"out of range: {value}")
+            raise InvalidRequestError(f"{self.field}.{key}", f"out of range: {value}")
         return value
 
     def float(self, key: str, lo: float, hi: float = math.inf) -> float | None:
         value = self._get(key, (int, float), "a number")
         if value is not None and not lo < value <= hi:
-            raise InvalidRequestError(f"{FIELD}.{key}", f"must be in ({lo}, {hi}], got {value}")
+            raise InvalidRequestError(f"{self.field}.{key}", f"must be in ({lo}, {hi}], got {value}")
         return None if value is None else float(value)
 
     def int_list(self, key: str) -> tuple[int, ...] | None:
@@ -222,11 +269,11 @@ class _Reader:
         if value is None:
             return None
         if any(isinstance(v, bool) or not isinstance(v, int) for v in value):
-            raise InvalidRequestError(f"{FIELD}.{key}", "must contain only integers")
+            raise InvalidRequestError(f"{self.field}.{key}", "must contain only integers")
         if any(not 0 <= v <= INT32 for v in value):
-            raise InvalidRequestError(f"{FIELD}.{key}", f"block ids must be in [0, {INT32}]")
+            raise InvalidRequestError(f"{self.field}.{key}", f"block ids must be in [0, {INT32}]")
         if not 0 < len(value) <= MAX_BLOCKS:
-            raise InvalidRequestError(f"{FIELD}.{key}", f"must hold 1 to {MAX_BLOCKS} block ids")
+            raise InvalidRequestError(f"{self.field}.{key}", f"must hold 1 to {MAX_BLOCKS} block ids")
         return tuple(value)
 
     def first_token(self) -> FirstToken | None:

@@ -3,7 +3,8 @@
 After its first token, a request marked `do_remote_decode` hands its prompt's blocks to a lease and
 answers with `kv_transfer_params` (docs/design.md, "Wire"), signed when the deployment has a secret
 (docs/security.md). Notifications count only with a valid MAC and from the bound consumer's agent. The side-channel listener serves
-handshakes, heartbeats and releases. Leases that end (every expected read notified, or released)
+handshakes, heartbeats, releases and claims (a producer of a later turn asking for the blocks this
+instance caches: the engine thread pins them under an unbound lease, `grant`). Leases that end (every expected read notified, or released)
 give their blocks back through the outcome buffer; expired ones a consumer bound send them to
 quarantine for twice the transfer timeout, so a READ posted just before expiry ends (or is abandoned
 by its reader) before the blocks can hold anyone else's KV.
@@ -13,27 +14,48 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import time
+import uuid
 from typing import Callable
 
 from pdserve.config import KVTransferConfig, is_loopback
 from pdserve.kv_transfer.handshake import answer_handshake
 from pdserve.kv_transfer.leases import LeaseState, LeaseTable
-from pdserve.kv_transfer.messages import (Fingerprint, HandshakeRequest, Heartbeat, HeartbeatAck,
-                                          RankAgent, ReceivedNotification, Release, ReleaseAck)
+from pdserve.kv_transfer.messages import (Claim, ClaimReply, Fingerprint, HandshakeRequest, Heartbeat,
+                                          HeartbeatAck, RankAgent, ReceivedNotification, Release, ReleaseAck)
 from pdserve.kv_transfer.outcomes import ConnectorOutcome, Handoff
-from pdserve.kv_transfer.params import FirstToken, KVTransferParams, prompt_hash
+from pdserve.kv_transfer.params import FirstToken, Holder, KVTransferParams, prompt_hash
+from pdserve.kv_transfer.pull import claim_params
 from pdserve.kv_transfer.signing import notification_mac_ok, sign, verify
 from pdserve.sampling_params import InvalidRequestError
+from pdserve.transport.deferred import Deferred
 
 logger = logging.getLogger(__name__)
+
+CLAIM_WAIT_S = 1.0  # a claim the engine thread has not answered by then gets "nothing held"
+HOLDER_S = 3600.0  # how long the holder token /health offers stays valid
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingClaim:
+    """A claim waiting for the engine thread (which alone may pin blocks in its pool)."""
+
+    claim: Claim
+    reply: Deferred
 
 
 class ProducerSide:
     def __init__(self, config: KVTransferConfig, engine_id: str, fingerprint: Fingerprint,
                  rank_agents: list[RankAgent], network, outcome: ConnectorOutcome,
-                 clock: Callable[[], float]):
+                 clock: Callable[[], float], wake: Callable[[], None] = lambda: None,
+                 caches: Callable[[bytes], bool] = lambda block_hash: True):
         self.config = config
+        self._wake = wake  # the engine loop's: a claim arrived
+        self._caches = caches  # a glance at the engine's prefix cache from this thread (may be stale)
+        self._claims: queue.SimpleQueue[PendingClaim] = queue.SimpleQueue()
+        self.num_blocks_claimed = 0
+        self._holder: Holder | None = None
         self.engine_id = engine_id
         self.fingerprint = fingerprint
         self.rank_agents = rank_agents
@@ -70,6 +92,46 @@ class ProducerSide:
             params = dataclasses.replace(params, signature=sign(params, self.config.secret))
         self.leases.add(request_id, kept, params.lease_digest(), self.clock())
         return Handoff(kept, params.to_json())
+
+    def holder(self) -> Holder:
+        """This instance as producers may claim blocks from it, signed; re-signed once half of its
+        validity has passed (wall clock: it travels between hosts through the proxy)."""
+        now = time.time()
+        if self._holder is None or self._holder.expires_at - now < HOLDER_S / 2:
+            holder = Holder(self.engine_id, self.host, self.server.port, len(self.rank_agents),
+                            expires_at=round(now + HOLDER_S, 3))
+            if self.config.secret is not None:
+                holder = dataclasses.replace(holder, signature=sign(holder, self.config.secret))
+            self._holder = holder
+        return self._holder
+
+    def pending_claims(self) -> list[PendingClaim]:
+        """Claims that arrived since the last call (engine thread)."""
+        claims = []
+        while True:
+            try:
+                claims.append(self._claims.get_nowait())
+            except queue.Empty:
+                return claims
+
+    @property
+    def has_claims(self) -> bool:
+        return not self._claims.empty()
+
+    def grant(self, pending: PendingClaim, block_ids: list[int]) -> None:
+        """The engine pinned `block_ids` (one reference each) for a claim: they go to an unbound
+        lease, as a hand-off's do, and the claimer gets their ids. A claim whose wait ran out
+        got "nothing held" instead: its lease is released at once (freed at the next tick)."""
+        if not block_ids:
+            pending.reply.resolve(ClaimReply("", [], len(self.rank_agents), self.config.lease_s))
+            return
+        params = claim_params(f"claim-{uuid.uuid4().hex}", block_ids)
+        self.leases.add(params.remote_request_id, list(block_ids), params.lease_digest(), self.clock())
+        if pending.reply.resolve(ClaimReply(params.remote_request_id, list(block_ids), len(self.rank_agents),
+                                            self.config.lease_s)):
+            self.num_blocks_claimed += len(block_ids)
+        else:
+            self.leases.release_unclaimed(params.remote_request_id, params.lease_digest())
 
     def release_unclaimed(self, params: KVTransferParams) -> bool:
         """Free a lease nobody has claimed (the proxy found no decode for it). Only this producer's
@@ -128,7 +190,8 @@ class ProducerSide:
                 "kv_leases_released": self.leases.num_released,
                 "kv_notifications_ignored": self.leases.num_ignored,
                 "nixl_num_failed_notifications": self.num_bad_notifications,
-                "kv_heartbeats_acked": self.leases.num_heartbeats}
+                "kv_heartbeats_acked": self.leases.num_heartbeats,
+                "kv_blocks_claimed": self.num_blocks_claimed}
 
     def close(self) -> None:
         self.server.close()
@@ -144,8 +207,17 @@ class ProducerSide:
             answers = self.leases.heartbeat(msg.consumer_engine_id, msg.consumer_tp_size,
                                             msg.request_ids, msg.digests, self.clock())
             return HeartbeatAck(answers, lease_s=self.config.lease_s, quarantine_s=self.quarantine_s)
+        if isinstance(msg, Claim):
+            empty = ClaimReply("", [], len(self.rank_agents), self.config.lease_s)
+            if not msg.block_hashes or not self._caches(msg.block_hashes[0]):
+                return empty  # at once: most prompts are nobody's history (the engine re-checks hits)
+            pending = PendingClaim(msg, Deferred(empty, CLAIM_WAIT_S, self.clock))
+            self._claims.put(pending)
+            self._wake()
+            return pending.reply
         if isinstance(msg, Release):
             n = self.leases.release(msg.consumer_engine_id, msg.request_ids)
             logger.info("consumer %s released %d request(s): %s", msg.consumer_engine_id, n, msg.reason)
             return ReleaseAck(num_released=n)
         raise TypeError(f"unexpected side-channel message {type(msg).__name__}")
+

@@ -16,9 +16,9 @@ from typing import Callable
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.consumer import ConsumerSide
 from pdserve.kv_transfer.messages import ConnectorMetadata, ConnectorReport, Fingerprint, RankAgent
-from pdserve.kv_transfer.outcomes import ConnectorOutcome, Handoff, RemoteLoad
+from pdserve.kv_transfer.outcomes import ConnectorOutcome, Handoff, RemoteLoad, RemotePull
 from pdserve.kv_transfer.params import FirstToken, KVTransferParams
-from pdserve.kv_transfer.producer import ProducerSide
+from pdserve.kv_transfer.producer import PendingClaim, ProducerSide
 from pdserve.sampling_params import InvalidRequestError
 
 POLL_S = 0.001  # step cadence while READs are in flight (their completion reports come up per step)
@@ -28,15 +28,19 @@ LEASE_POLL_S = 0.002  # while this instance holds leased blocks (ranks poll NIXL
 class SchedulerConnector:
     def __init__(self, config: KVTransferConfig, engine_id: str, fingerprint: Fingerprint,
                  rank_agents: list[RankAgent], network=None,
-                 clock: Callable[[], float] = time.monotonic, wake: Callable[[], None] = lambda: None):
+                 clock: Callable[[], float] = time.monotonic, wake: Callable[[], None] = lambda: None,
+                 caches: Callable[[bytes], bool] = lambda block_hash: True):
         """`network` makes the side channel's server and client (default: ZMQ); `wake` ends the
-        engine loop's sleep when a side-channel reply arrives (called on another thread)."""
+        engine loop's sleep when a side-channel reply arrives (called on another thread); `caches`
+        says whether the engine's prefix cache holds a block hash now (read from another thread: a
+        claim for a prompt nobody cached is answered without waiting for the engine)."""
         if network is None:
             from pdserve.kv_transfer.side_channel import ZmqNetwork
             network = ZmqNetwork(config.secret, config.previous_secret)
         self.engine_id = engine_id
         self.outcome = ConnectorOutcome()
-        self.producer = ProducerSide(config, engine_id, fingerprint, rank_agents, network, self.outcome, clock)
+        self.producer = ProducerSide(config, engine_id, fingerprint, rank_agents, network, self.outcome, clock,
+                                     wake, caches)
         self.client = network.client()
         self.consumer = ConsumerSide(config, engine_id, fingerprint, len(rank_agents),
                                      fingerprint.num_kv_heads, self.client, self.outcome, clock, wake)
@@ -50,12 +54,28 @@ class SchedulerConnector:
         request's load starts here."""
         if params is not None and params.do_remote_prefill:
             self.consumer.add(request_id, params)
+        elif params is not None and params.kv_holders:
+            self.consumer.check_holders(params.kv_holders)
 
-    def start_loads(self, admitted: list[RemoteLoad]) -> ConnectorOutcome:
-        """Consumer requests the scheduler just gave local blocks."""
+    def start_loads(self, admitted: list[RemoteLoad], pulls: list[RemotePull] = ()) -> ConnectorOutcome:
+        """Consumer requests the scheduler just gave local blocks, and producer requests that pull
+        blocks from their holders."""
         for load in admitted:
             self.consumer.admit(load)
+        for pull in pulls:
+            self.consumer.pull(pull)
         return self.outcome.take()
+
+    def pending_claims(self) -> list[PendingClaim]:
+        """Holders' side: claims for the engine to pin blocks for (`grant`)."""
+        return self.producer.pending_claims()
+
+    def grant(self, pending: PendingClaim, block_ids: list[int]) -> None:
+        self.producer.grant(pending, block_ids)
+
+    def holder(self) -> dict:
+        """What this instance signs of itself for producers to claim blocks from it (/health)."""
+        return self.producer.holder().to_json()
 
     def abort(self, request_id: str) -> bool:
         """True when the engine must wait for the request's ABORTED outcome (READs in flight)."""
@@ -114,7 +134,7 @@ class SchedulerConnector:
         return self.outcome.take()
 
     def needs_step(self) -> bool:
-        return self.consumer.has_ready or bool(self.outcome)
+        return self.consumer.has_ready or bool(self.outcome) or self.producer.has_claims
 
     def wakeup_in(self, now: float) -> float | None:
         """Seconds the engine loop may sleep before the connector needs a step (None: no timer)."""
@@ -151,9 +171,15 @@ class NoConnector:
             raise InvalidRequestError("kv_transfer_params",
                                       "this instance was started without a KV transfer connector")
 
-    def start_loads(self, admitted: list[RemoteLoad]) -> ConnectorOutcome:
-        assert not admitted, "no request wants remote KV without a connector"
+    def start_loads(self, admitted: list[RemoteLoad], pulls: list[RemotePull] = ()) -> ConnectorOutcome:
+        assert not admitted and not pulls, "no request wants remote KV without a connector"
         return ConnectorOutcome()
+
+    def pending_claims(self) -> list:
+        return []
+
+    def holder(self) -> None:
+        return None
 
     def abort(self, request_id: str) -> bool:
         return False

@@ -26,11 +26,13 @@ import zmq
 from pdserve.kv_transfer.frames import (MAX_REPLY_BYTES, MAX_REQUEST_BYTES, ReplayWindow, encode_reply,
                                         encode_request, new_client_id, parse_header, verify)
 from pdserve.kv_transfer.messages import ErrorReply, SideChannelReply, SideChannelRequest
+from pdserve.transport.deferred import Deferred
 
 __all__ = ["ZmqNetwork", "SideChannelServer", "SideChannelClient", "SideChannelError", "encode_request"]
 
 logger = logging.getLogger(__name__)
 
+DEFERRED_POLL_MS = 1  # while a reply waits for the engine thread
 _request_decoder = msgspec.msgpack.Decoder(SideChannelRequest)
 _reply_decoder = msgspec.msgpack.Decoder(SideChannelReply)
 LOG_EVERY_S = 10.0
@@ -55,7 +57,9 @@ class ZmqNetwork:
 
 
 class SideChannelServer:
-    """Answers requests with `handler(request) -> reply`, called on the server thread."""
+    """Answers requests with `handler(request) -> reply`, called on the server thread; a `Deferred`
+    reply is sent when another thread resolves it (or its fallback at its deadline), while the
+    server goes on answering others."""
 
     def __init__(self, host: str, port: int, secret: bytes | None,
                  handler: Callable[[object], object], previous: bytes | None = None):
@@ -75,6 +79,7 @@ class SideChannelServer:
         self._logged: dict[str, float] = {}
         self._stop = threading.Event()
         self.num_refused = 0
+        self._deferred: list[tuple[bytes, bytes, Deferred]] = []  # (peer, header, reply to come)
         self._thread = threading.Thread(target=self._run, name="pdserve-side-channel", daemon=True)
         self._thread.start()
 
@@ -82,7 +87,8 @@ class SideChannelServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(200):
+            self._send_deferred()
+            if not poller.poll(DEFERRED_POLL_MS if self._deferred else 200):
                 continue
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -94,8 +100,21 @@ class SideChannelServer:
                 logger.exception("side channel: cannot handle a request")
                 out = ErrorReply(f"internal error: {type(e).__name__}")
             head = frames[2] if len(frames) == 4 else b""
-            self._sock.send_multipart([frames[0], *encode_reply(self._secret, head, out)])
+            if isinstance(out, Deferred):
+                self._deferred.append((frames[0], head, out))
+            else:
+                self._sock.send_multipart([frames[0], *encode_reply(self._secret, head, out)])
         self._sock.close(0)
+
+    def _send_deferred(self) -> None:
+        still = []
+        for peer, head, deferred in self._deferred:
+            out = deferred.result()
+            if out is None:
+                still.append((peer, head, deferred))
+            else:
+                self._sock.send_multipart([peer, *encode_reply(self._secret, head, out)])
+        self._deferred = still
 
     def _answer(self, frames: list[bytes]):
         """The reply to one request (an ErrorReply when it cannot be taken)."""

@@ -19,13 +19,13 @@ import json
 import msgspec
 
 from pdserve.kv_transfer.messages import Notification
-from pdserve.kv_transfer.params import FIELD, KVTransferParams
+from pdserve.kv_transfer.params import FIELD, Holder, KVTransferParams
 from pdserve.sampling_params import InvalidRequestError
 
 _encoder = msgspec.msgpack.Encoder()
 
 
-def canonical(params: KVTransferParams) -> bytes:
+def canonical(params: KVTransferParams | Holder) -> bytes:
     body = params.to_json()
     body.pop("signature", None)
     return json.dumps(_numbers(body), sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
@@ -42,28 +42,29 @@ def _numbers(value):
     return value
 
 
-def sign(params: KVTransferParams, secret: bytes) -> str:
+def sign(params: KVTransferParams | Holder, secret: bytes) -> str:
     return hmac.new(secret, canonical(params), hashlib.sha256).hexdigest()
 
 
-def verify(params: KVTransferParams, secret: bytes | None, now: float, previous: bytes | None = None,
-           skew_s: float = 0.0) -> None:
-    """Raises InvalidRequestError (naming the field) unless a producer signed exactly these params
-    with `secret` or `previous`, and they expired no more than `skew_s` (the clock skew allowed
-    between hosts) before `now`. Without a secret there is nothing to check."""
+def verify(params: KVTransferParams | Holder, secret: bytes | None, now: float, previous: bytes | None = None,
+           skew_s: float = 0.0, field: str = FIELD) -> None:
+    """Raises InvalidRequestError (naming `field`'s key) unless an instance of this deployment
+    signed exactly these params (or this holder) with `secret` or `previous`, and they expired no
+    more than `skew_s` (the clock skew allowed between hosts) before `now`. Without a secret there
+    is nothing to check."""
     if secret is None:
         return
     if not params.signature:
-        raise InvalidRequestError(f"{FIELD}.signature", "is required: this deployment signs its params")
+        raise InvalidRequestError(f"{field}.signature", "is required: this deployment signs its params")
     if not _any_match(params.signature.encode(), lambda s: sign(params, s).encode(), secret, previous):
-        raise InvalidRequestError(f"{FIELD}.signature",
-                                  "does not match: the params were changed or not issued by a producer "
+        raise InvalidRequestError(f"{field}.signature",
+                                  "does not match: the params were changed or not issued by an instance "
                                   "of this deployment")
     if params.expires_at is None:
-        raise InvalidRequestError(f"{FIELD}.expires_at", "is required: this deployment signs its params")
+        raise InvalidRequestError(f"{field}.expires_at", "is required: this deployment signs its params")
     late_s = now - params.expires_at
     if late_s > skew_s:
-        raise InvalidRequestError(f"{FIELD}.expires_at",
+        raise InvalidRequestError(f"{field}.expires_at",
                                   f"the params expired {late_s:.1f} s ago, beyond the {skew_s:g} s allowed "
                                   "for clock skew between hosts (--kv-clock-skew-s); if the producer's "
                                   "clock differs from this host's, synchronise them (NTP)")

@@ -135,6 +135,9 @@ class PDFlow:
         p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         p_body["stream"] = False
         p_body["kv_transfer_params"] = PREFILL_PARAMS
+        if protocol == "pdserve" and (holders := self.router.decode.holders()):
+            # decode instances that may cache this prompt's history: the producer claims it there
+            p_body["kv_transfer_params"] = {**PREFILL_PARAMS, "kv_holders": holders}
         if protocol == "vllm":
             p_body["max_tokens"] = 1
             if "max_completion_tokens" in p_body:

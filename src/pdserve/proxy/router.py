@@ -33,6 +33,7 @@ class UpstreamState:
     unseen: dict = dataclasses.field(default_factory=dict)  # whole-answer prefills sent there since
     # the last probe began (key -> monotonic time): no first token is seen, the next report counts them
     kv_usage: float = 0.0  # fraction of its KV blocks in use, as reported
+    kv_holder: dict | None = None  # where producers may claim blocks it caches (signed by it)
     last_probe: float = 0.0
 
     @property
@@ -85,6 +86,12 @@ class Pool:
         return min((max(s.prefilling, s.waiting) + len(s.unseen) for s in self.states if s.healthy),
                    default=1 << 30)
 
+    def holders(self, limit: int = 4) -> list[dict]:
+        """What healthy instances say of themselves for producers to claim cached blocks from,
+        least loaded first (pull.py on the producer asks them in this order)."""
+        return [s.kv_holder for s in sorted(self.states, key=UpstreamState.score)
+                if s.healthy and s.kv_holder][:limit]
+
     def mark_down(self, state: UpstreamState, reason: str) -> None:
         if state.healthy:
             logger.warning("%s instance %s is down: %s", self.role, state.url, reason)
@@ -104,6 +111,7 @@ class Pool:
                 state.waiting = int(load.get("num_waiting", 0))
                 state.queued = state.waiting + int(load.get("num_waiting_for_remote_kv", 0))
                 state.kv_usage = float(load.get("kv_cache_usage", 0.0))
+                state.kv_holder = load.get("kv_holder") if isinstance(load.get("kv_holder"), dict) else None
                 state.unseen = {k: t for k, t in state.unseen.items() if t >= began}  # in its report now
         return {s.url: s.healthy for s in states}
 

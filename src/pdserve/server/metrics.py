@@ -74,6 +74,10 @@ class ServerMetrics:
             ("kv_blocks_read", "KV blocks this instance READ from a peer."),
             ("kv_blocks_read_skipped", "KV blocks a READ skipped: the prompt's blocks this instance already "
                                        "cached (hashes agreeing with the producer's)."),
+            ("kv_blocks_pulled", "KV blocks this producer READ from an instance caching a later turn's "
+                                 "history (a decode instance) instead of computing them."),
+            ("kv_blocks_claimed", "KV blocks other instances' producers claimed from this instance's "
+                                  "prefix cache to READ."),
             ("kv_leases_expired", "Producer leases that expired before every read was notified."),
             ("kv_leases_released", "Producer leases released by the consumer (abort or failure)."),
             ("kv_heartbeats", "Heartbeats sent (consumer)."),

@@ -19,6 +19,7 @@ from typing import Callable
 import numpy as np
 
 from pdserve.transport.base import TransferError, XferState
+from pdserve.transport.deferred import Deferred
 
 Clock = Callable[[], float]
 
@@ -179,6 +180,7 @@ class _Exchange:
     request: object
     on_reply: Callable[[object], None]
     timeout_at: float
+    deferred: Deferred | None = None  # the handler's reply, given later by another thread
 
 
 class LoopbackNetwork:
@@ -209,11 +211,22 @@ class LoopbackNetwork:
         pending, self.pending = self.pending, []
         for ex in pending:
             handler = self.servers.get(ex.address)
-            if handler is not None and not self.drop and ex.deliver_at <= now:
+            if ex.deferred is not None:  # handled: its reply waits for another thread
+                reply = ex.deferred.result()
+                if reply is None:
+                    still.append(ex)
+                else:
+                    ex.on_reply(reply)
+                    delivered += 1
+            elif handler is not None and not self.drop and ex.deliver_at <= now:
                 try:
                     reply = handler(ex.request)
                 except Exception as e:  # noqa: BLE001 - the real server answers nothing
                     reply = TimeoutError(f"no answer (the server failed: {e})")
+                if isinstance(reply, Deferred):
+                    ex.deferred = reply
+                    still.append(ex)
+                    continue
                 ex.on_reply(reply)
                 delivered += 1
             elif ex.timeout_at <= now:
