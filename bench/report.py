@@ -23,7 +23,8 @@ def load(name: str):
 
 def engine(r) -> list[str]:
     out = [f"**Engine** (`small`: 8 layers, hidden 512, float32; {r['threads']} threads; best of 3 "
-           f"alternating runs; memcpy {r['memcpy_gbps']} GB/s):", "",
+           f"alternating runs; the bound reads at {r['read_gbps']} GB/s, measured with the engine's "
+           f"threads streaming reads):", "",
            "| context (prompt + new) | batch | pdserve tok/s | transformers tok/s | ratio | bandwidth bound tok/s | of bound |",
            "|---|---|---|---|---|---|---|"]
     for context, table in r["decode"].items():
@@ -39,6 +40,21 @@ def engine(r) -> list[str]:
                 "compiled on first use, and weights are packed once in MKL's GEMM format; what "
                 "remains of a step is mostly those float32 GEMMs. "
                 "The machine's speed swings between runs; each ratio is from one run."]
+    if r.get("formats"):
+        out += [""] + formats(r["formats"])
+    return out
+
+
+def formats(f) -> list[str]:
+    out = [f"**Weight formats** ({f['model']}, one thread, {f['prompt_tokens']}-token prompts, "
+           f"{f['new_tokens']} new, best of 2; the bound reads the format's bytes at {f['read_gbps']} GB/s):",
+           "", "| weights | memory MiB (× float32) | batch 1 tok/s (× float32, of bound) | "
+           "batch 32 tok/s (× float32, of bound) |", "|---|---|---|---|"]
+    for name in ("float32", "bfloat16", "int8", "int4"):
+        d = f[name]
+        cells = [f"{d[b]['tok_s']} ({d[b]['vs_float32']}×, {d[b]['fraction_of_bound']:.0%})" for b in ("1", "32")]
+        out.append(f"| {name} | {d['weight_bytes'] / 2**20:.1f} ({d['weight_memory_vs_float32']}×) | "
+                   f"{cells[0]} | {cells[1]} |")
     return out
 
 

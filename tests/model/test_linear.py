@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.model.linear import Linear, mkl_packing
+from pdserve.model.linear import Linear, mkl_packing, onednn_bf16_packing
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 100, 2048])
@@ -20,9 +20,12 @@ def test_packed_matches_matmul(rows, out_features, in_features):
     torch.testing.assert_close(lin(x), x @ weight.t(), rtol=1e-5, atol=1e-5)
 
 
-def test_bfloat16_keeps_a_dense_weight():
-    weight = torch.randn(64, 32).bfloat16()
+@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+def test_bfloat16_weights_are_packed_for_onednn(rows):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=g).bfloat16()
     lin = Linear(weight)
-    assert not lin.packed
-    x = torch.randn(3, 32).bfloat16()
+    # torch's x86 builds (this machine's included) have oneDNN: the bfloat16 GEMV is twice as fast packed
+    assert lin.packed == onednn_bf16_packing() == torch.backends.mkldnn.is_available()
+    x = torch.randn(rows, 64, generator=g).bfloat16()
     torch.testing.assert_close(lin(x), x @ weight.t())

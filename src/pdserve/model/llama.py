@@ -131,12 +131,13 @@ class CausalLM:
             return None
         return logits[:, : self.spec.vocab_size].float()
 
-    def weight_bytes(self) -> int:
-        """Bytes this rank's weights occupy, a tied table counted once."""
+    def weight_bytes(self, per_step: bool = False) -> int:
+        """Bytes this rank's weights occupy, a tied table counted once; `per_step`: those a decode
+        step reads (all but the embedding rows it does not look up)."""
         linears = [self.lm_head] + [getattr(layer, name) for layer in self.layers
                                     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
         norms = [self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_attn_norm)]
-        embed = self.embed.nbytes()
-        if isinstance(self.lm_head, Int8Linear) and self.embed.codes is self.lm_head.codes:
+        embed = 0 if per_step else self.embed.nbytes()
+        if embed and isinstance(self.lm_head, Int8Linear) and self.embed.codes is self.lm_head.codes:
             embed -= self.embed.codes.numel()
         return sum(weight_bytes(lin) for lin in linears) + embed + sum(t.numel() * t.element_size() for t in norms)
