@@ -6,7 +6,9 @@ Each conversation: a 512-token system prompt, 64-token user turns and 64-token g
 (`ignore_eos`), token-id prompts through the proxy: turn k's prompt is turn k-1's prompt, its answer's
 token ids (`return_token_ids`) and 64 new user tokens. Streamed; TTFT and the time to the second
 token are taken by this client. Per turn, from each instance's /metrics before and after: the blocks
-and bytes decode READ, the prompt tokens the producer computed, prefix-cache hits on each side.
+and bytes decode READ, the blocks the producer pulled from decode's cache instead of computing them,
+the prompt tokens the producer computed, prefix-cache hits on each side ("n/a" where the code does
+not export a counter; bytes are shown as blocks of `bytes_per_block`).
 
 Two modes: (a) plain; (b) the producer's prefix cache reset before every turn (as after an
 eviction): `POST /reset_prefix_cache` on the producer. The code before this work has no such route,
@@ -54,7 +56,9 @@ DECODE_METRICS = {"blocks_read": "pdserve:kv_blocks_read_total",
                   "bytes_read": "pdserve:nixl_bytes_transferred_sum",
                   "prefix_cache_hits": "pdserve:prefix_cache_hits_total"}
 PRODUCER_METRICS = {"prompt_tokens_computed": "pdserve:prompt_tokens_computed_total",
-                    "prefix_cache_hits": "pdserve:prefix_cache_hits_total"}
+                    "prefix_cache_hits": "pdserve:prefix_cache_hits_total",
+                    "blocks_pulled": "pdserve:kv_blocks_pulled_total",  # READ from decode's cache
+                    "bytes_read": "pdserve:nixl_bytes_transferred_sum"}
 
 
 # --- code under test ------------------------------------------------------------------------------

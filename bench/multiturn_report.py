@@ -11,7 +11,8 @@ from pathlib import Path
 TTFT_RATIO_TARGET = {"a": 0.7, "b": 0.3}
 FIELDS = ("ttft_ms", "tt2t_ms", "e2e_ms", "decode_blocks_read", "decode_blocks_lacked",
           "decode_blocks_from_bytes", "decode_blocks_read_skipped", "producer_prompt_tokens_computed",
-          "user_tokens", "producer_prefix_cache_hits", "decode_prefix_cache_hits")
+          "user_tokens", "producer_prefix_cache_hits", "decode_prefix_cache_hits", "producer_blocks_pulled",
+          "producer_blocks_from_bytes")
 
 
 def bytes_per_block(model: str, block_size: int) -> int:
@@ -29,7 +30,9 @@ def flatten(r: dict, block_bytes: int) -> dict:
             "decode_bytes_read": d["bytes_read"],
             "decode_blocks_from_bytes": None if d["bytes_read"] is None else d["bytes_read"] / block_bytes,
             "producer_prompt_tokens_computed": p["prompt_tokens_computed"],
-            "producer_prefix_cache_hits": p["prefix_cache_hits"], "decode_prefix_cache_hits": d["prefix_cache_hits"]}
+            "producer_prefix_cache_hits": p["prefix_cache_hits"], "decode_prefix_cache_hits": d["prefix_cache_hits"],
+            "producer_blocks_pulled": p["blocks_pulled"],
+            "producer_blocks_from_bytes": None if p["bytes_read"] is None else p["bytes_read"] / block_bytes}
 
 
 def median(values: list) -> float | None:
@@ -84,10 +87,10 @@ def report(results: dict) -> None:
     def cell(v):
         return "n/a" if v is None else (f"{v:.0f}" if isinstance(v, float) else str(v))
     head = ("turn", "TTFT ms", "2nd tok ms", "e2e ms", "D read", "D lacked", "D read (bytes)",
-            "P computed", "P hits", "D hits")
+            "P pulled", "P pulled (bytes)", "P computed", "P hits", "D hits")
     keys = ("turn", "ttft_ms", "tt2t_ms", "e2e_ms", "decode_blocks_read", "decode_blocks_lacked",
-            "decode_blocks_from_bytes", "producer_prompt_tokens_computed", "producer_prefix_cache_hits",
-            "decode_prefix_cache_hits")
+            "decode_blocks_from_bytes", "producer_blocks_pulled", "producer_blocks_from_bytes",
+            "producer_prompt_tokens_computed", "producer_prefix_cache_hits", "decode_prefix_cache_hits")
     for code, modes in results["medians"].items():
         for mode, turns in modes.items():
             info = results["code"][code]
