@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 
 # Lower layers never import higher ones. Packages on one layer do not import each other.
 LAYERS = [
-    {"config", "cpus", "heap", "sampling_params", "outputs"},
+    {"config", "cpus", "heap", "sampling_params", "outputs", "health"},
     {"transport", "model", "text", "checkpoints", "prefix_cache"},
     {"kv_transfer"},
     {"worker"},

@@ -9,6 +9,7 @@ import asyncio
 import json
 import time
 
+from pdserve.health import Health, Load
 from pdserve.proxy.decision import DisaggPolicy
 from pdserve.proxy.flow import PDFlow
 from pdserve.proxy.metrics import ProxyMetrics
@@ -244,7 +245,7 @@ def test_a_non_streaming_local_prefill_counts_until_the_next_probe_reports_it():
         d = Fake("http://d", answer)
 
         async def health():
-            return True, {"num_waiting": 0}
+            return True, Health(load=Load(num_waiting=0))
         d.health = health
         flow = _flow([Fake("http://p")], [d], policy=DisaggPolicy(local_max_tokens=256))
         body = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()

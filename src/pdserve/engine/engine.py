@@ -23,6 +23,7 @@ from pdserve.engine.kv_events import KVEvents
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Request, RequestStatus, TransferState
 from pdserve.engine.scheduler import Scheduler
+from pdserve.health import Load
 from pdserve.kv_transfer.messages import Fingerprint
 from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadResult
 from pdserve.kv_transfer.params import FirstToken, KVTransferParams
@@ -309,13 +310,13 @@ class Engine:
         """Conditions an operator must know about (shown by /health and /metrics)."""
         return list(self.connector.warnings)
 
-    def load(self) -> dict:
-        """What a router weighs (reported by /health): queue and KV use."""
-        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-                "num_waiting_for_remote_kv": len(self.scheduler.loading),
-                "kv_cache_usage": 1 - self.pool.num_free_blocks / self.num_blocks,
-                "num_leased_blocks": self.connector.num_leased_blocks(),
-                "kv_holder": self.connector.holder()}  # producers may claim cached blocks here
+    def load(self) -> Load:
+        """What a router weighs (reported by /health): queue and KV use, and where producers may
+        claim blocks this instance caches."""
+        return Load(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                    num_waiting_for_remote_kv=len(self.scheduler.loading),
+                    kv_cache_usage=1 - self.pool.num_free_blocks / self.num_blocks,
+                    num_leased_blocks=self.connector.num_leased_blocks(), kv_holder=self.connector.holder())
 
     def stats(self, drain: bool = False) -> dict:
         """Counts for /metrics; `drain` also hands over the connector's new per-transfer records."""

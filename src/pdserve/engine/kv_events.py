@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pdserve.config import KVEventsConfig
 from pdserve.engine.block_pool import BlockPool
+from pdserve.health import PrefixCacheInfo
 from pdserve.prefix_cache.events import Snapshot
 from pdserve.prefix_cache.hashing import HASH_ALGORITHM, HASH_SEED
 from pdserve.prefix_cache.publisher import KVEventPublisher
@@ -31,11 +32,11 @@ class KVEvents:
         seq = self.publisher.flush()
         return Snapshot(seq=seq, topic=self.publisher.topic, blocks=self.pool.cached_blocks())
 
-    def info(self) -> dict:
+    def info(self) -> PrefixCacheInfo:
         """For /health: how a router recomputes this instance's block hashes, and where its events are."""
-        return {"hash_algorithm": HASH_ALGORITHM, "hash_seed": HASH_SEED, "model_key": self.pool.model_key,
-                "block_size": self.pool.block_size, "enabled": self.pool.enable_prefix_caching,
-                "kv_events": self.publisher.info() if self.publisher is not None else None}
+        return PrefixCacheInfo(hash_algorithm=HASH_ALGORITHM, hash_seed=HASH_SEED, model_key=self.pool.model_key,
+                               block_size=self.pool.block_size, enabled=self.pool.enable_prefix_caching,
+                               kv_events=self.publisher.info() if self.publisher is not None else None)
 
     def close(self) -> None:
         if self.publisher is not None:

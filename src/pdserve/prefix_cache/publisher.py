@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import zmq
 
 from pdserve.config import KVEventsConfig, is_loopback
+from pdserve.health import EventEndpoints
 from pdserve.prefix_cache.events import Event, EventBatch, encode_batch
 
 logger = logging.getLogger(__name__)
@@ -100,9 +101,9 @@ class KVEventPublisher:
                 self._wake()
             return self._seq
 
-    def info(self) -> dict:
-        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "topic": self.topic,
-                "encoding": self.config.encoding, "last_seq": self._seq}
+    def info(self) -> EventEndpoints:
+        return EventEndpoints(endpoint=self.endpoint, replay_endpoint=self.replay_endpoint, topic=self.topic,
+                              encoding=self.config.encoding, last_seq=self._seq)
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Send what is queued, then stop the thread and close the sockets."""

@@ -34,6 +34,7 @@ class UpstreamState:
     # the last probe began (key -> monotonic time): no first token is seen, the next report counts them
     kv_usage: float = 0.0  # fraction of its KV blocks in use, as reported
     kv_holder: dict | None = None  # where producers may claim blocks it caches (signed by it)
+    engine_id: str = ""  # as its last report said (a restarted instance is a new engine)
     last_probe: float = 0.0
 
     @property
@@ -102,16 +103,18 @@ class Pool:
         began = time.monotonic()
         states = list(self.states)
         results = await asyncio.gather(*(s.upstream.health() for s in states))
-        for state, (healthy, load) in zip(states, results):
+        for state, (healthy, report) in zip(states, results):
             if healthy and not state.healthy:
                 logger.info("%s instance %s is back", self.role, state.url)
             state.healthy = healthy
             state.last_probe = time.monotonic()
-            if load:
-                state.waiting = int(load.get("num_waiting", 0))
-                state.queued = state.waiting + int(load.get("num_waiting_for_remote_kv", 0))
-                state.kv_usage = float(load.get("kv_cache_usage", 0.0))
-                state.kv_holder = load.get("kv_holder") if isinstance(load.get("kv_holder"), dict) else None
+            if report is not None:
+                load = report.load
+                state.engine_id = report.engine_id
+                state.waiting = load.num_waiting
+                state.queued = load.num_waiting + load.num_waiting_for_remote_kv
+                state.kv_usage = load.kv_cache_usage
+                state.kv_holder = load.kv_holder
                 state.unseen = {k: t for k, t in state.unseen.items() if t >= began}  # in its report now
         return {s.url: s.healthy for s in states}
 

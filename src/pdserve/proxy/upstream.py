@@ -16,6 +16,9 @@ import contextlib
 import json
 
 import aiohttp
+import msgspec
+
+from pdserve.health import Health, decode_health
 
 _JSON = {"Content-Type": "application/json"}
 _FAILURES = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
@@ -158,8 +161,8 @@ class Upstream:
         except (UpstreamError, ValueError, KeyError, IndexError, TypeError, AttributeError):
             return None
 
-    async def health(self) -> tuple[bool, dict | None]:
-        """(healthy, the load it reports: queue and KV use; None when it reports none)."""
+    async def health(self) -> tuple[bool, Health | None]:
+        """(healthy, what it reports: load, prefix cache; None when it reports nothing we read)."""
         try:
             r = await self.get("/health", timeout_s=2.0)
         except UpstreamError:
@@ -167,10 +170,9 @@ class Upstream:
         if r.status_code != 200:
             return False, None
         try:
-            body = r.json()
-        except ValueError:
+            return True, decode_health(r.content)
+        except (msgspec.DecodeError, msgspec.ValidationError):
             return True, None
-        return True, body.get("load") if isinstance(body, dict) else None
 
     async def close(self) -> None:
         self.closed = True

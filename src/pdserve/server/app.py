@@ -11,6 +11,8 @@ import contextlib
 import logging
 from pathlib import Path
 
+import msgspec
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -18,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdserve.config import EngineConfig, ServerConfig
 from pdserve.engine.engine import OverloadedError
+from pdserve.health import Health
 from pdserve.heap import PauseTimer, freeze_startup_heap
 from pdserve.kv_transfer.params import KVTransferParams
 from pdserve.model.generation_config import GenerationDefaults
@@ -103,7 +106,8 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
             return APIError(503, f"engine {status}").response()
         load, warnings = engine.snapshot  # as of the engine's last turn: never waits for a step
         cache = engine.engine.kv_events.info()  # settings and a counter: safe to read from here
-        return {"status": "ok", "load": load, "warnings": warnings, "prefix_cache": cache}
+        health = Health(engine_id=engine.engine.engine_id, load=load, warnings=warnings, prefix_cache=cache)
+        return Response(msgspec.json.encode(health), media_type="application/json")
 
     @app.post("/kv/release")
     async def release(body: dict):
