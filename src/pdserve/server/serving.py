@@ -23,6 +23,7 @@ from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.server.async_engine import AsyncEngine
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import Usage
+from pdserve.text.prompts import text_prompt_ids
 
 logger = logging.getLogger("pdserve.server")
 MAX_CHARS_PER_TOKEN = 64
@@ -72,14 +73,18 @@ class BaseServing:
     def tokenizer(self):
         return self.engine.engine.tokenizer
 
-    def encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a prompt, refused before tokenizing when the text could never fit the
-        context (no token is longer than MAX_CHARS_PER_TOKEN characters in practice)."""
+    def check_length(self, text: str, field: str) -> None:
+        """Refuse a prompt before tokenizing when the text could never fit the context (no token
+        is longer than MAX_CHARS_PER_TOKEN characters in practice)."""
         limit = self.engine.engine.max_model_len * MAX_CHARS_PER_TOKEN
         if len(text) > limit:
             raise InvalidRequestError(field, f"is too long: {len(text)} characters, more than the "
                                              f"context of {self.engine.engine.max_model_len} tokens can hold")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode(self, text: str, field: str) -> list[int]:
+        """A completion prompt's token ids (text/prompts.py: as the proxy computes them)."""
+        self.check_length(text, field)
+        return text_prompt_ids(self.tokenizer, text)
 
     # --- request -> sampling params ----------------------------------------------------------
 

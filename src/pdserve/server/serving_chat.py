@@ -15,6 +15,7 @@ from pdserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatComple
                                      DeltaMessage)
 from pdserve.server.serving import MAX_CHARS_PER_TOKEN, BaseServing, Choice, sse
 from pdserve.text.chat_template import ChatTemplateError
+from pdserve.text.prompts import PromptError, chat_messages, chat_prompt_ids
 from pdserve.text.template_sandbox import TemplateBusyError, TemplateSandbox
 
 
@@ -34,18 +35,10 @@ class ChatServing(BaseServing):
             raise InvalidRequestError("chat_template", "this server does not render chat templates sent with "
                                                        "requests; start it with --trust-request-chat-template "
                                                        "to allow them")
-        messages = []
-        for i, m in enumerate(req.messages):
-            content = m.content
-            if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise InvalidRequestError(f"messages.{i}.content",
-                                                  "only text content parts are supported")
-                    parts.append(part["text"])
-                content = "".join(parts)
-            messages.append({"role": m.role, "content": content or ""})
+        try:
+            messages = chat_messages([{"role": m.role, "content": m.content} for m in req.messages])
+        except PromptError as e:
+            raise InvalidRequestError(e.field, str(e)) from None
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, req.add_generation_prompt, continue_final_message=req.continue_final_message,
@@ -55,7 +48,8 @@ class ChatServing(BaseServing):
             raise InvalidRequestError(e.field, f"the chat template failed: {e}") from None
         except TemplateBusyError as e:
             raise APIError(503, f"overloaded: {e}", headers={"Retry-After": "1"}) from None
-        return self.encode(text, "messages", add_special_tokens=False)
+        self.check_length(text, "messages")
+        return chat_prompt_ids(self.tokenizer, text)
 
     async def create(self, req: ChatCompletionRequest, request_id: str, raw_request):
         self.check_model(req.model)

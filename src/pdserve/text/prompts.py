@@ -1,0 +1,42 @@
+"""A request's prompt as token ids, by the same rules in every process that needs them: the server
+(which computes it) and the proxy (which routes by the blocks it fills).
+
+Any process. Plain JSON values in; errors name the request field (`PromptError.field`).
+"""
+
+from __future__ import annotations
+
+from pdserve.text.tokenizer import Tokenizer
+
+
+class PromptError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def message_text(content, index: int) -> str:
+    """A chat message's content: a string, or text parts joined (other parts are refused)."""
+    if not isinstance(content, list):
+        return content or ""
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise PromptError(f"messages.{index}.content", "only text content parts are supported")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def chat_messages(messages: list) -> list[dict]:
+    """What the chat template sees of each message: its role and its text."""
+    return [{"role": m["role"], "content": message_text(m.get("content"), i)} for i, m in enumerate(messages)]
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A rendered chat prompt's ids: the template already placed every special token."""
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def text_prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A completion prompt's ids (with the tokenizer's own BOS, as vLLM's)."""
+    return tokenizer.encode(text, add_special_tokens=True)
