@@ -146,6 +146,11 @@ def make_linear(weight: Weight, dtype: torch.dtype) -> Linear | Int8Linear | Int
 
 
 def weight_bytes(layer) -> int:
-    """Bytes the layer's weights occupy (what one decode step reads)."""
-    return sum(t.numel() * t.element_size() for t in vars(layer).values()
-               if isinstance(t, torch.Tensor) and t.numel() > 1 and t.stride() != (0,) * t.dim())
+    """Bytes the layer's weights occupy (what one decode step reads). A packed float layer counts
+    its weight's own size: MKL's and oneDNN's packed buffers are opaque (and sized for the worst
+    case, 2-7x, but only the weight's pages are ever touched)."""
+    if isinstance(layer, Linear):
+        dtype = torch.float32 if layer._packed is not None else (
+            layer._onednn.dtype if layer._onednn is not None else layer._dense.dtype)
+        return layer.out_features * layer.in_features * torch.empty(0, dtype=dtype).element_size()
+    return sum(t.numel() * t.element_size() for t in vars(layer).values() if isinstance(t, torch.Tensor))
