@@ -180,7 +180,8 @@ def _proxy(args) -> int:
         port_file=args.port_file, upstream_protocol=args.upstream_protocol,
         max_request_body_bytes=args.max_request_body_bytes, probe_interval_s=args.probe_interval_s,
         max_wait_s=args.max_wait_s, local_prefill_max_tokens=args.local_prefill_max_tokens,
-        request_timeout_s=args.request_timeout_s,
+        request_timeout_s=args.request_timeout_s, routing=args.routing,
+        tokenizer=ensure_model(args.tokenizer) if args.tokenizer else None,
         local_prefill_max_queue=args.local_prefill_max_queue, admin_key=os.environ.get("PDSERVE_ADMIN_KEY"))
     run_proxy(config, args.log_level.upper())
     return 0
@@ -190,6 +191,8 @@ def _up(args) -> int:
     from pdserve.launcher import run_up
     name = _model_name(args.model)
     args.model = ensure_model(args.model)  # a GGUF file is converted once, here
+    if args.routing:
+        args.proxy_args += f" --routing {args.routing}"
     if name:
         args.instance_args += f" --served-model-name {shlex.quote(name)}"
     if args.ray is not None:
@@ -291,6 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="how long the proxy waits for an instance's next bytes (a whole answer, or the next "
                         "event of a stream); then the client gets a 502 naming the instance")
+    p.add_argument("--routing", default="kv-aware", choices=["round-robin", "least-loaded", "kv-aware"],
+                   help="how instances are chosen: kv-aware weighs what each caches of the prompt (from their "
+                        "KV events; needs --tokenizer) against its queue, and prefills on decode what decode "
+                        "lacks little of")
+    p.add_argument("--tokenizer", default=None, metavar="MODEL",
+                   help="the served checkpoint (directory or .gguf): prompts are tokenized as the instances "
+                        "do, to route by the blocks they fill (pdserve up passes it)")
     p.add_argument("--upstream-protocol", default="auto", choices=["auto", "pdserve", "vllm"],
                    help="what the instances are: vllm producers get max_tokens 1 (auto: ask them)")
     p.set_defaults(func=_proxy)
@@ -319,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "\"--max-num-batched-tokens 64\" to bound what a local prefill adds to a step")
     p.add_argument("--port-file", default=None, help="write the proxy's bound port here as JSON")
     p.add_argument("--proxy-args", default="", help="extra arguments for `pdserve proxy`")
+    p.add_argument("--routing", default=None, choices=["round-robin", "least-loaded", "kv-aware"],
+                   help="the proxy's routing (default kv-aware: `pdserve proxy --help`)")
     p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
                    help="place the instances on a Ray cluster (ADDRESS: its head, default RAY_ADDRESS or "
                         "the local one); the model path must exist on every node")

@@ -250,8 +250,12 @@ class ProxyConfig:
     local_prefill_max_tokens: int = 0  # conditional disaggregation: shorter prompts may prefill on decode
     local_prefill_max_queue: int = 2  # ... while decode has at most this many waiting
     admin_key: str | None = None  # enables PUT /admin/upstreams (a cluster registers its instances)
+    routing: str = "kv-aware"  # round-robin, least-loaded or kv-aware (proxy/policy.py)
+    tokenizer: str | None = None  # the model's checkpoint: prompts are tokenized to route by their blocks
 
     def __post_init__(self):
+        _check(self.routing in ("round-robin", "least-loaded", "kv-aware"), "routing",
+               f"must be round-robin, least-loaded or kv-aware, got {self.routing!r}")
         _check(self.upstream_protocol in ("auto", "pdserve", "vllm"), "upstream_protocol",
                f"must be auto, pdserve or vllm, got {self.upstream_protocol!r}")
         _check(len(self.decode_urls) >= 1 or self.admin_key is not None, "decode",

@@ -127,6 +127,11 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
 
 
+# Every instance of a deployment publishes its KV events on loopback, on ports it picks itself.
+KV_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:0",
+                        "replay_endpoint": "tcp://127.0.0.1:0"})
+
+
 class Deployment:
     def __init__(self, model: str, prefill_tp: list[int], decode_tp: list[int],
                  instance_args: list[str] | None = None, proxy_port: int = 0,
@@ -144,6 +149,8 @@ class Deployment:
         self.env = {"PDSERVE_KV_SECRET": os.environ.get("PDSERVE_KV_SECRET") or secrets.token_hex(32),
                     **(env or {})}
         extra = list(instance_args or [])
+        if not any(a.startswith("--kv-events-config") for a in extra):  # the proxy's KV index reads them
+            extra += ["--kv-events-config", KV_EVENTS]
         self.instances: list[Instance] = []
         for role, tps, cpus in (("prefill", prefill_tp, prefill_cpus), ("decode", decode_tp, decode_cpus)):
             for tp, cpu in zip(tps, cpus):
@@ -154,7 +161,7 @@ class Deployment:
                 self.instances.append(Instance(role, args, cpu))
         self.proxy_port = proxy_port
         self.proxy_host = proxy_host
-        self.proxy_args = list(proxy_args or [])
+        self.proxy_args = ["--tokenizer", model, *(proxy_args or [])]  # routes by the blocks prompts fill
         self.proxy: Instance | None = None
 
     @property

@@ -21,6 +21,8 @@ from pdserve.http.heap_metrics import HeapMetrics
 from pdserve.http.middleware import BodyLimit, RequestContext
 from pdserve.proxy.decision import DisaggPolicy
 from pdserve.proxy.flow import PDFlow
+from pdserve.proxy.kv_index import KVIndex
+from pdserve.proxy.prompts import PromptTokens
 from pdserve.proxy.relay import parse_body
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.router import Router, retire
@@ -33,13 +35,15 @@ def create_app(config: ProxyConfig) -> FastAPI:
     def upstream(url: str) -> Upstream:
         return Upstream(url, config.upstream_api_key, config.connect_timeout_s, config.request_timeout_s)
 
+    index = KVIndex(config.upstream_api_key) if config.routing == "kv-aware" else None
     router = Router([upstream(u) for u in config.prefill_urls], [upstream(u) for u in config.decode_urls],
-                    config.probe_interval_s)
+                    config.probe_interval_s, config.routing, index)
+    prompts = PromptTokens(config.tokenizer) if config.tokenizer else None
     metrics = ProxyMetrics()
     collections = PauseTimer()
     metrics.registry.register(HeapMetrics("pdserve_proxy", collections))
     flow = PDFlow(router, metrics, config.upstream_protocol, config.max_wait_s,
-                  DisaggPolicy(config.local_prefill_max_tokens, config.local_prefill_max_queue))
+                  DisaggPolicy(config.local_prefill_max_tokens, config.local_prefill_max_queue), prompts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -67,6 +71,17 @@ def create_app(config: ProxyConfig) -> FastAPI:
         status = await router.probe()
         ok = (any(status["prefill"].values()) or not status["prefill"]) and any(status["decode"].values())
         return JSONResponse(status, status_code=200 if ok else 503)
+
+    @app.get("/kv/index")
+    async def kv_index(hashes: bool = False):
+        """How many blocks the KV index holds for each instance (absent: not indexed); with
+        `?hashes=true`, the hashes themselves (64-bit, as in events)."""
+        out = {}
+        for state in router.prefill.states + router.decode.states:
+            held = index.indexed(state.url) if index is not None else None
+            if held is not None:
+                out[state.url] = sorted(held) if hashes else len(held)
+        return {"routing": config.routing, "instances": out}
 
     @app.get("/metrics")
     async def prometheus():

@@ -32,8 +32,10 @@ import time
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.http.errors import APIError
-from pdserve.proxy.decision import LOCAL, DisaggPolicy, prompt_tokens
+from pdserve.proxy.decision import KV_AWARE_POLICY, LOCAL, REMOTE, DisaggPolicy, prompt_tokens
 from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.placement import Placement, place
+from pdserve.proxy.prompts import PromptTokens
 from pdserve.proxy.relay import as_stream, carries_token, error_body, parse_body, relay
 from pdserve.proxy.router import Pool, Router, UpstreamState
 from pdserve.proxy.upstream import Reply, Stream, UpstreamError
@@ -65,9 +67,10 @@ class _NoTaker(Exception):
 
 class PDFlow:
     def __init__(self, router: Router, metrics: ProxyMetrics, protocol: str = "auto", max_wait_s: float = 30.0,
-                 policy: DisaggPolicy = DisaggPolicy()):
+                 policy: DisaggPolicy = DisaggPolicy(), prompts: PromptTokens | None = None):
         assert protocol in PROTOCOLS
         self.router = router
+        self.prompts = prompts  # the model's tokenizer: routes by the blocks a prompt fills
         self.metrics = metrics
         self.protocol = None if protocol == "auto" else protocol
         self.max_wait_s = max_wait_s
@@ -120,17 +123,20 @@ class PDFlow:
         body.pop("kv_transfer_params", None)  # the producer's word, never the client's
         headers = {"X-Request-Id": request_id}
         protocol = await self.upstream_protocol()
+        ids = self.prompts.ids(body, path) if self.prompts is not None else None
+        plan = place(self.router, ids, body.get("cache_salt"))
         if protocol == "pdserve" and _max_tokens(body) == 1:  # nothing to decode: no transfer
             self.metrics.requests.labels("prefill_only").inc()
-            pool = self.router.prefill if self.router.prefill.states else self.router.decode
-            return await self._answer(pool, path, body, headers, start)
-        decision = LOCAL if not self.router.prefill.states else self.policy.decide(
-            prompt_tokens(body), self.router.decode.least_prefilling(), self.router.prefill.least_queued())
+            if self.router.prefill.states:
+                return await self._answer(self.router.prefill, path, body, headers, start, rank=plan.prefill)
+            return await self._answer(self.router.decode, path, body, headers, start, rank=plan.decode)
+        decision = LOCAL if not self.router.prefill.states else self._decide(body, plan)
         self.metrics.decisions.labels(decision).inc()
         headers["X-PD-Decision"] = decision
         if decision == LOCAL:  # decode prefills it itself
             self.metrics.requests.labels("decode_only").inc()
-            return await self._answer(self.router.decode, path, body, headers, start, prefills=True)
+            return await self._answer(self.router.decode, path, body, headers, start, prefills=True,
+                                      rank=plan.decode)
 
         p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         p_body["stream"] = False
@@ -142,7 +148,7 @@ class PDFlow:
             p_body["max_tokens"] = 1
             if "max_completion_tokens" in p_body:
                 p_body["max_completion_tokens"] = 1
-        producer, p_resp = await self._post(self.router.prefill, path, p_body, headers)
+        producer, p_resp = await self._post(self.router.prefill, path, p_body, headers, rank=plan.prefill)
         self.metrics.prefill.observe(time.monotonic() - start)
         if p_resp.status_code != 200:
             self.metrics.requests.labels(f"prefill_{p_resp.status_code}").inc()
@@ -162,7 +168,7 @@ class PDFlow:
         producer.upstream.hold()  # its client stays open while its lease may have to go back
         try:
             response = await self._answer(self.router.decode, path, {**body, "kv_transfer_params": kv}
-                                          if kv else body, headers, start)
+                                          if kv else body, headers, start, rank=plan.decode)
             taken = response.status_code == 200
             return response
         finally:
@@ -170,10 +176,25 @@ class PDFlow:
                 self._release(producer, kv, headers)
             producer.upstream.unhold()
 
+    def _decide(self, body: dict, plan: Placement) -> str:
+        """Conditional disaggregation (decision.py). With kv-aware routing the prompt's length is
+        what the chosen decode instance lacks of it; unless `--local-prefill-max-tokens` says
+        otherwise, a decode instance that holds part of the prompt (a conversation's history)
+        prefills the rest itself when that is at most KV_LOCAL_TOKENS."""
+        decode_queue = plan.decode[0].prefill_queue() if plan.decode else 1 << 30
+        prefill_queue = self.router.prefill.least_queued()
+        if plan.decode_uncached is not None:
+            if self.policy.local_max_tokens:
+                return self.policy.decide(plan.decode_uncached, decode_queue, prefill_queue)
+            holds = plan.decode_uncached < plan.num_tokens
+            return KV_AWARE_POLICY.decide(plan.decode_uncached, decode_queue, prefill_queue) if holds else REMOTE
+        tokens = plan.num_tokens if plan.num_tokens is not None else prompt_tokens(body)
+        return self.policy.decide(tokens, self.router.decode.least_prefilling(), prefill_queue)
+
     # --- legs -----------------------------------------------------------------------------------
 
     async def _post(self, pool: Pool, path: str, body: dict, headers: dict,
-                    prefills: bool = False) -> tuple[UpstreamState, Reply]:
+                    prefills: bool = False, rank: list[UpstreamState] | None = None) -> tuple[UpstreamState, Reply]:
         """The first whole answer that is not a refusal (`prefills`: the prompt is prefilled there;
         no first token is seen, so it counts until the instance's next report or the answer)."""
         async def send(state: UpstreamState) -> Reply:
@@ -184,19 +205,20 @@ class PDFlow:
                 return await state.upstream.post_json(path, body, headers)
             finally:
                 state.unseen.pop(key, None)
-        state, resp = await self._take(pool, send)
+        state, resp = await self._take(pool, send, rank=rank)
         self._count(pool, state, -1)
         return state, resp
 
     async def _answer(self, pool: Pool, path: str, body: dict, headers: dict, start: float,
-                      prefills: bool = False) -> Response:
-        """The client's answer from the first instance of the pool that takes the request
-        (`prefills`: the prompt is prefilled there, which counts until its first token)."""
+                      prefills: bool = False, rank: list[UpstreamState] | None = None) -> Response:
+        """The client's answer from the first instance of the pool (in `rank`'s order) that takes
+        the request (`prefills`: the prompt is prefilled there, which counts until its first token)."""
         if not body.get("stream"):
-            _, resp = await self._post(pool, path, body, headers, prefills)
+            _, resp = await self._post(pool, path, body, headers, prefills, rank)
             self.metrics.e2e.observe(time.monotonic() - start)
             return _passed_on(resp, headers)
-        state, resp = await self._take(pool, lambda s: s.upstream.open_stream(path, body, headers), prefills)
+        state, resp = await self._take(pool, lambda s: s.upstream.open_stream(path, body, headers), prefills,
+                                       rank)
         if resp.status_code != 200:
             detail = (await resp.read()).decode(errors="replace")
             await resp.close()
@@ -205,7 +227,8 @@ class PDFlow:
         return StreamingResponse(self._stream(pool, state, resp, start, prefills), media_type="text/event-stream",
                                  headers=headers)
 
-    async def _take(self, pool: Pool, send, prefills: bool = False) -> tuple[UpstreamState, Reply | Stream]:
+    async def _take(self, pool: Pool, send, prefills: bool = False,
+                    rank: list[UpstreamState] | None = None) -> tuple[UpstreamState, Reply | Stream]:
         """`send` to the pool's instances, best first, until one does not refuse. While every
         producer refuses (busy: its blocks are held for readers) the request waits, up to
         `max_wait_s`, as it would in a queue, holding nothing meanwhile; a decode leg does not wait
@@ -214,18 +237,19 @@ class PDFlow:
         pause = 0.1
         while True:
             try:
-                return await self._take_once(pool, send, prefills)
+                return await self._take_once(pool, send, prefills, rank)
             except _NoTaker:
                 if time.monotonic() + pause > deadline:
                     raise
             await asyncio.sleep(pause)
             pause = min(1.0, pause * 2)
 
-    async def _take_once(self, pool: Pool, send, prefills: bool) -> tuple[UpstreamState, Reply | Stream]:
-        """One try of every instance. A producer's error answer is kept and, if nobody takes the
-        request, passed on (it ends the wait: it is no refusal)."""
+    async def _take_once(self, pool: Pool, send, prefills: bool,
+                         rank: list[UpstreamState] | None) -> tuple[UpstreamState, Reply | Stream]:
+        """One try of every instance (in `rank`'s order, else least loaded first). A producer's error
+        answer is kept and, if nobody takes the request, passed on (it ends the wait: it is no refusal)."""
         last, refused, failed = EMPTY, False, None
-        for i, state in enumerate(pool.candidates()):
+        for i, state in enumerate(rank if rank is not None else pool.candidates()):
             if state not in pool.states:  # it left the pool while an earlier one was tried
                 continue
             if i:

@@ -17,6 +17,9 @@ import logging
 import time
 from typing import Callable
 
+from pdserve.health import PrefixCacheInfo
+from pdserve.proxy.kv_index import KVIndex
+from pdserve.proxy.policy import POLICIES, order
 from pdserve.proxy.upstream import Upstream
 
 logger = logging.getLogger("pdserve.proxy")
@@ -35,6 +38,7 @@ class UpstreamState:
     kv_usage: float = 0.0  # fraction of its KV blocks in use, as reported
     kv_holder: dict | None = None  # where producers may claim blocks it caches (signed by it)
     engine_id: str = ""  # as its last report said (a restarted instance is a new engine)
+    prefix_cache: PrefixCacheInfo | None = None  # how it hashes blocks (for the KV index)
     last_probe: float = 0.0
 
     @property
@@ -44,11 +48,19 @@ class UpstreamState:
     def score(self) -> tuple:
         return (not self.healthy, self.outstanding + self.queued, self.kv_usage)
 
+    def prefill_queue(self) -> int:
+        """Prompts waiting to be prefilled there: what this proxy sent with no first token back yet,
+        or what the instance reported waiting, whichever is more (the report also counts other
+        proxies' requests, but is up to a probe old), plus whole-answer prefills sent since the
+        last probe began."""
+        return max(self.prefilling, self.waiting) + len(self.unseen)
+
 
 class Pool:
-    def __init__(self, role: str, upstreams: list[Upstream]):
+    def __init__(self, role: str, upstreams: list[Upstream], index: KVIndex | None = None):
         self.role = role
         self.states = [UpstreamState(u) for u in upstreams]
+        self.index = index  # what each instance caches, from its KV events (kv-aware routing)
         self._turn = itertools.count()
 
     @property
@@ -56,13 +68,15 @@ class Pool:
         return [s.upstream for s in self.states]
 
     def candidates(self) -> list[UpstreamState]:
-        """Every instance, best first; equals take turns (so idle instances share the load)."""
-        turn = next(self._turn)
-        n = len(self.states)
-        if not n:
+        """Every instance, least loaded first; equals take turns (so idle instances share the load)."""
+        return self.ordered("least-loaded")
+
+    def ordered(self, policy: str, num_tokens: int | None = None,
+                cached_tokens: Callable[[UpstreamState], int] | None = None) -> list[UpstreamState]:
+        """Every instance, best first by `policy` (policy.py)."""
+        if not self.states:
             return []
-        rotated = [self.states[(turn + i) % n] for i in range(n)]
-        return sorted(rotated, key=UpstreamState.score)
+        return order(policy, self.states, next(self._turn), num_tokens, cached_tokens)
 
     def set_members(self, urls: list[str], make: Callable[[str], Upstream]) -> list[UpstreamState]:
         """Serve exactly these instances from now on: known ones keep their state (and client),
@@ -70,7 +84,11 @@ class Pool:
         close each once it has none."""
         known = {s.url: s for s in self.states}
         self.states = [known.get(url) or UpstreamState(make(url)) for url in urls]
-        return [s for url, s in known.items() if url not in set(urls)]
+        left = [s for url, s in known.items() if url not in set(urls)]
+        for s in left:
+            if self.index is not None:
+                self.index.drop(s.url)  # its entries vanish at once
+        return left
 
     def least_queued(self) -> int:
         """The shortest queue among healthy instances (what this proxy has outstanding there plus
@@ -84,8 +102,7 @@ class Pool:
         instance is already generating are not counted: a decode instance with many of them may
         still have time for a short prefill. Prompts whose answer comes whole count until a probe
         that began after they were sent."""
-        return min((max(s.prefilling, s.waiting) + len(s.unseen) for s in self.states if s.healthy),
-                   default=1 << 30)
+        return min((s.prefill_queue() for s in self.states if s.healthy), default=1 << 30)
 
     def holders(self, limit: int = 4) -> list[dict]:
         """What healthy instances say of themselves for producers to claim cached blocks from,
@@ -108,9 +125,12 @@ class Pool:
                 logger.info("%s instance %s is back", self.role, state.url)
             state.healthy = healthy
             state.last_probe = time.monotonic()
+            if self.index is not None and state in self.states:
+                self.index.update(state.url, report if healthy else None)
             if report is not None:
                 load = report.load
                 state.engine_id = report.engine_id
+                state.prefix_cache = report.prefix_cache
                 state.waiting = load.num_waiting
                 state.queued = load.num_waiting + load.num_waiting_for_remote_kv
                 state.kv_usage = load.kv_cache_usage
@@ -130,9 +150,13 @@ async def retire(state: UpstreamState, poll_s: float = 0.5, limit_s: float = 360
 
 
 class Router:
-    def __init__(self, prefill: list[Upstream], decode: list[Upstream], probe_interval_s: float = 1.0):
-        self.prefill = Pool("prefill", prefill)
-        self.decode = Pool("decode", decode)
+    def __init__(self, prefill: list[Upstream], decode: list[Upstream], probe_interval_s: float = 1.0,
+                 policy: str = "least-loaded", index: KVIndex | None = None):
+        assert policy in POLICIES, policy
+        self.policy = policy
+        self.index = index
+        self.prefill = Pool("prefill", prefill, index)
+        self.decode = Pool("decode", decode, index)
         self.probe_interval_s = probe_interval_s
         self._task: asyncio.Task | None = None
 
@@ -145,6 +169,8 @@ class Router:
             await asyncio.gather(self._task, return_exceptions=True)
         for u in self.prefill.upstreams + self.decode.upstreams:
             await u.close()
+        if self.index is not None:
+            self.index.close()
 
     async def probe(self) -> dict[str, dict[str, bool]]:
         p, d = await asyncio.gather(self.prefill.probe(), self.decode.probe())
