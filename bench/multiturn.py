@@ -83,6 +83,14 @@ def checkout(ref: str, parent: Path) -> tuple[dict, dict]:
                  "uncommitted_files": len(dirty)}
 
 
+def proxy_args(env: dict) -> list[str]:
+    """Every turn through P/D: a proxy that routes by cache (issue 21, `--routing kv-aware`, its
+    default) prefills a turn decode lacks little of on decode itself, which is not this workload."""
+    usage = subprocess.run([sys.executable, "-m", "pdserve.cli", "proxy", "--help"], env={**os.environ, **env},
+                           capture_output=True, text=True).stdout
+    return ["--routing", "least-loaded"] if "--routing" in usage else []
+
+
 def remove_worktrees(parent: Path) -> None:
     for path in parent.glob("pdserve-*"):
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
@@ -98,7 +106,8 @@ def scrape(client: httpx.Client, url: str, names: dict[str, str]) -> dict[str, f
         if line and not line.startswith("#"):
             name = line.split("{", 1)[0].split(" ", 1)[0]
             sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return {key: sums.get(name) for key, name in names.items()}
+    # a histogram appears with its first observation (both codes have the transfer ones)
+    return {key: sums.get(name, 0.0 if name.endswith("_sum") else None) for key, name in names.items()}
 
 
 def delta(before: dict, after: dict) -> dict:
@@ -113,6 +122,7 @@ def stream(client: httpx.Client, url: str, prompt: list[int], max_tokens: int) -
             "stream": True, "return_token_ids": True}
     with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
+        decision = r.headers.get("x-pd-decision")  # the proxy's: remote (P/D) or local
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -125,7 +135,7 @@ def stream(client: httpx.Client, url: str, prompt: list[int], max_tokens: int) -
                     ids.append(t)
     if len(ids) != max_tokens:
         raise RuntimeError(f"asked for {max_tokens} tokens, streamed {len(ids)}")
-    return {"answer": ids, "ttft_ms": times[0] * 1e3, "tt2t_ms": times[1] * 1e3 if len(times) > 1 else None,
+    return {"answer": ids, "pd_decision": decision, "ttft_ms": times[0] * 1e3, "tt2t_ms": times[1] * 1e3 if len(times) > 1 else None,
             "e2e_ms": (time.perf_counter() - start) * 1e3}
 
 
@@ -145,7 +155,7 @@ def conversation(client: httpx.Client, dep: Deployment, reset: bool, seed: int, 
         records.append({"turn": turn, "prompt_tokens": len(prompt), "new_tokens": len(new),
                         "user_tokens": len(prompt) if turn == 1 else USER_TOKENS,
                         "decode_blocks_lacked": -(-len(prompt) // BLOCK_SIZE) - held,
-                        **{k: out[k] for k in ("ttft_ms", "tt2t_ms", "e2e_ms")},
+                        **{k: out[k] for k in ("pd_decision", "ttft_ms", "tt2t_ms", "e2e_ms")},
                         "decode": delta(d0, d1), "producer": delta(p0, p1),
                         "prompt": prompt, "answer": out["answer"]})
         # decode keeps the prompt and the answer but the answer's last token (never computed)
@@ -207,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         envs = {}
         for code, ref in codes.items():
             envs[code], results["code"][code] = checkout(ref, tmp)
+            results["code"][code]["proxy_args"] = proxy_args(envs[code])
             info = results["code"][code]
             print(f"{code}: pdserve {info['commit']} (+{info['uncommitted_files']} uncommitted files) "
                   f"from {info['pdserve']}", flush=True)
@@ -215,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                 role_args = {"prefill": ["--no-prefix-caching"]} if mode == "b" else None
                 deps[code, mode] = Deployment(model, [1], [1], instance_args=ARGS, prefill_cpus=[(0,)],
                                               decode_cpus=[(1,)], log_dir=str(tmp / "logs"),
-                                              env=envs[code], role_args=role_args).start()
+                                              env=envs[code], role_args=role_args,
+                                              proxy_args=results["code"][code]["proxy_args"]).start()
         if "new" in codes:
             deps["new", "b"] = deps["new", "a"]
         colo = Instance("colocated", ["serve", model, "--port", "0", "--num-threads", "1", "--cpus", "0",
@@ -242,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     results.update(summarize(runs, model, BLOCK_SIZE))
     for records in (r for modes in runs.values() for convs in modes.values() for r in convs):
         for r in records:
-            del r["prompt"]  # its length is kept; the answers stay
+            del r["prompt"], r["answer"]  # lengths are kept, and whether the answer matched
     results["runs"] = runs
     report(results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

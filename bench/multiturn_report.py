@@ -50,7 +50,9 @@ def summarize(runs: dict, model: str, block_size: int) -> dict:
     medians = {code: {mode: [{"turn": i + 1, **{f: median([conv[i][f] for conv in convs]) for f in FIELDS}}
                              for i in range(len(convs[0]))] for mode, convs in modes.items() if convs}
                for code, modes in runs.items()}
-    out = {"bytes_per_block": block_bytes, "medians": medians}
+    decisions = {code: {mode: _count(r["pd_decision"] for records in convs for r in records)
+                        for mode, convs in modes.items()} for code, modes in runs.items()}
+    out = {"bytes_per_block": block_bytes, "pd_decisions": decisions, "medians": medians}
     if "old" in medians:
         out["ratios_new_over_old"] = {mode: {f"turn{t['turn']}_{f}": _ratio(t[f], o[f])
                                              for t, o in zip(medians["new"][mode], medians["old"][mode])
@@ -60,6 +62,13 @@ def summarize(runs: dict, model: str, block_size: int) -> dict:
     return out
 
 
+def _count(values) -> dict:
+    counts: dict = {}
+    for v in values:
+        counts[str(v)] = counts.get(str(v), 0) + 1
+    return counts
+
+
 def _ratio(a, b):
     return None if a is None or not b else round(a / b, 3)
 
@@ -67,7 +76,8 @@ def _ratio(a, b):
 def targets(runs: dict, summary: dict, block_size: int) -> dict:
     """The issue's targets, each met or not (None: not measurable in this run)."""
     later = [r for convs in runs["new"].values() for records in convs for r in records if r["turn"] >= 2]
-    t = {"decode_reads_exactly_what_it_lacked": all(r["decode_blocks_read"] == r["decode_blocks_lacked"]
+    t = {"decode_reads_exactly_what_it_lacked": all(r["pd_decision"] == "remote"
+                                                    and r["decode_blocks_read"] == r["decode_blocks_lacked"]
                                                     and r["decode_blocks_from_bytes"] == r["decode_blocks_lacked"]
                                                     for r in later),
          "producer_computes_new_tokens_plus_at_most_a_block": all(
@@ -105,6 +115,7 @@ def report(results: dict) -> None:
               f"{ratios[f'turn{last}_tt2t_ms']}, e2e {ratios[f'turn{last}_e2e_ms']} "
               f"(target TTFT <= {TTFT_RATIO_TARGET[mode]}); turn 1, the same work in both codes (the "
               f"run's noise floor): TTFT {ratios['turn1_ttft_ms']}, e2e {ratios['turn1_e2e_ms']}")
+    print(f"proxy decisions (X-PD-Decision): {results['pd_decisions']}")
     mismatches = results["greedy_mismatches"]
     print(f"greedy answers equal colocated: {'all' if not mismatches else f'{len(mismatches)} mismatches'}")
     for name, met in results["targets"].items():

@@ -33,7 +33,8 @@ def test_multiturn_quick_reads_only_what_decode_lacks(tiny_model, tmp_path):
         assert [t["turn"] for t in res["medians"]["new"][mode]] == [1, 2, 3]
         held = 0
         for t in records:
-            assert len(t["answer"]) == ANSWER and t["matches_colocated"]
+            assert t["matches_colocated"]  # (the script fails unless each answer has 64 tokens)
+            assert t["pd_decision"] == "remote"  # prefilled by the producer, READ by decode
             assert t["ttft_ms"] > 0 and t["e2e_ms"] >= t["ttft_ms"]
             lacked = -(-t["prompt_tokens"] // BLOCK) - held
             d = t["decode"]
