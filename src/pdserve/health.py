@@ -20,6 +20,8 @@ class Load(msgspec.Struct, kw_only=True):
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use
     num_leased_blocks: int = 0  # held for remote readers
     kv_holder: dict | None = None  # signed by the instance: where producers may claim its blocks
+    prefill_tokens_per_s: float = 0.0  # measured from its steps (engine/rates.py); 0: not yet
+    decode_step_s: float = 0.0  # a decode-only step's duration, measured; 0: not yet
 
 
 class EventEndpoints(msgspec.Struct, kw_only=True):

@@ -6,9 +6,8 @@ it can pull it; the conditional decision uses what decode lacks."""
 from __future__ import annotations
 
 from pdserve.health import PrefixCacheInfo
-from pdserve.proxy.decision import KV_AWARE_POLICY, LOCAL, REMOTE
 from pdserve.proxy.placement import place
-from pdserve.proxy.policy import LOAD_TOKENS, order
+from pdserve.proxy.policy import order
 from pdserve.proxy.prompts import block_hashes
 from pdserve.proxy.router import Router
 
@@ -55,14 +54,36 @@ def test_round_robin_takes_turns_whatever_the_load():
     assert all(r.decode.ordered("round-robin")[0] is b for _ in range(3))
 
 
-def test_kv_aware_prefers_the_cache_until_the_queue_outweighs_it():
+def test_a_decode_instance_holding_most_of_the_prompt_prefills_the_rest_itself():
     r = router("kv-aware", {"http://d1": 15})  # d1 caches 240 of the 320 tokens
     for _ in range(3):
-        assert place(r, PROMPT).decode[0].url == "http://d1"
-    d0, d1 = r.decode.states
-    d1.outstanding = 240 // LOAD_TOKENS + 1  # its queue weighs more than its cache saves
-    assert place(r, PROMPT).decode[0].url == "http://d0"
-    assert place(router("least-loaded", {"http://d1": 15}), PROMPT).decode[0].url in ("http://d0", "http://d1")
+        plan = place(r, PROMPT)
+        assert plan.decode[0].url == "http://d1" and plan.decode_uncached == 80 and plan.local
+
+
+def test_a_busy_holder_decodes_nothing_more_but_its_cache_is_still_pulled():
+    r = router("kv-aware", {"http://d1": 15})
+    r.decode.states[1].outstanding = 20  # twenty streams: a local prefill would wait behind them
+    plan = place(r, PROMPT)
+    assert plan.decode[0].url == "http://d0" and not plan.local
+    assert plan.holders[0].url == "http://d1"  # the producer claims d1's 240 tokens first
+
+
+def test_cold_prompts_go_to_a_producer_and_spread_over_decode():
+    r = router("kv-aware", {})
+    firsts = set()
+    for _ in range(4):
+        plan = place(r, PROMPT)
+        assert not plan.local and plan.decode_uncached == 320
+        firsts.add(plan.decode[0].url)
+    assert firsts == {"http://d0", "http://d1"}  # equals take turns
+
+
+def test_a_local_prefill_is_only_as_long_as_the_stall_budget():
+    r = router("kv-aware", {"http://d1": 4})  # d1 holds 64 tokens: 256 left, 0.26 s at 1,000 tok/s
+    assert not place(r, PROMPT).local
+    r.decode.states[1].prefill_tokens_per_s = 4000.0  # measured fast enough: 64 ms
+    assert place(r, PROMPT).local
 
 
 def test_least_loaded_ignores_caches():
@@ -71,26 +92,21 @@ def test_least_loaded_ignores_caches():
     assert all(place(r, PROMPT).decode[0].url == "http://d0" for _ in range(3))
 
 
-def test_a_producer_counts_what_it_can_pull_from_the_chosen_decode():
+def test_a_producer_counts_what_it_can_pull_from_decode():
     r = router("kv-aware", {"http://d1": 15, "http://p0": 2})
-    r.prefill.states[0].outstanding = 1  # p0 caches 2 blocks but is busier than p1
+    r.decode.states[1].outstanding = 20
+    r.prefill.states[0].outstanding = 1  # p0 caches 2 blocks of its own but is busy
     plan = place(r, PROMPT)
-    assert plan.decode[0].url == "http://d1" and plan.decode_uncached == 320 - 240
-    # both producers could pull d1's 240 tokens: the idle one wins
-    assert plan.prefill[0].url == "http://p1"
-
-
-def test_the_conditional_decision_uses_what_decode_lacks():
-    assert KV_AWARE_POLICY.decide(320 - 240, 0, 0) == LOCAL  # decode lacks 80 tokens: it prefills them
-    assert KV_AWARE_POLICY.decide(320, 0, 0) == REMOTE
-    assert KV_AWARE_POLICY.decide(80, 3, 0) == REMOTE  # ... unless prompts already queue there
+    assert plan.prefill[0].url == "http://p1"  # idle, and it can pull d1's 240 tokens too
+    r.prefill.states[0].outstanding = 0
+    assert place(r, PROMPT).prefill[0].url in ("http://p0", "http://p1")  # equal: both pull
 
 
 def test_without_the_prompt_kv_aware_is_least_loaded():
     r = router("kv-aware", {"http://d1": 20})
     r.decode.states[1].queued = 1
     plan = place(r, None)
-    assert plan.decode[0].url == "http://d0" and plan.decode_uncached is None
+    assert plan.decode[0].url == "http://d0" and plan.decode_uncached is None and not plan.local
 
 
 def test_order_puts_healthy_instances_first_under_every_policy():

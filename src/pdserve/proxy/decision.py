@@ -32,10 +32,6 @@ class DisaggPolicy:
         return REMOTE
 
 
-KV_LOCAL_TOKENS = 96  # kv-aware routing: decode holding part of a prompt prefills up to this many more
-KV_AWARE_POLICY = DisaggPolicy(local_max_tokens=KV_LOCAL_TOKENS)
-
-
 def prompt_tokens(body: dict) -> int | None:
     """Tokens in the request's one prompt (exact for token ids, estimated for text); None for
     anything else (several prompts): those go remote."""

@@ -32,7 +32,7 @@ import time
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.http.errors import APIError
-from pdserve.proxy.decision import KV_AWARE_POLICY, LOCAL, REMOTE, DisaggPolicy, prompt_tokens
+from pdserve.proxy.decision import LOCAL, REMOTE, DisaggPolicy, prompt_tokens
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.placement import Placement, place
 from pdserve.proxy.prompts import PromptTokens
@@ -141,7 +141,9 @@ class PDFlow:
         p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         p_body["stream"] = False
         p_body["kv_transfer_params"] = PREFILL_PARAMS
-        if protocol == "pdserve" and (holders := self.router.decode.holders()):
+        holders = [s.kv_holder for s in plan.holders if s.kv_holder][:4] if plan.holders \
+            else self.router.decode.holders()
+        if protocol == "pdserve" and holders:
             # decode instances that may cache this prompt's history: the producer claims it there
             p_body["kv_transfer_params"] = {**PREFILL_PARAMS, "kv_holders": holders}
         if protocol == "vllm":
@@ -177,17 +179,15 @@ class PDFlow:
             producer.upstream.unhold()
 
     def _decide(self, body: dict, plan: Placement) -> str:
-        """Conditional disaggregation (decision.py). With kv-aware routing the prompt's length is
-        what the chosen decode instance lacks of it; unless `--local-prefill-max-tokens` says
-        otherwise, a decode instance that holds part of the prompt (a conversation's history)
-        prefills the rest itself when that is at most KV_LOCAL_TOKENS."""
+        """Conditional disaggregation. With kv-aware routing, unless `--local-prefill-max-tokens`
+        says otherwise (decision.py, on what the chosen decode instance lacks), decode prefills the
+        prompt itself when the placement predicts that fastest (placement.py)."""
         decode_queue = plan.decode[0].prefill_queue() if plan.decode else 1 << 30
         prefill_queue = self.router.prefill.least_queued()
         if plan.decode_uncached is not None:
             if self.policy.local_max_tokens:
                 return self.policy.decide(plan.decode_uncached, decode_queue, prefill_queue)
-            holds = plan.decode_uncached < plan.num_tokens
-            return KV_AWARE_POLICY.decide(plan.decode_uncached, decode_queue, prefill_queue) if holds else REMOTE
+            return LOCAL if plan.local else REMOTE
         tokens = plan.num_tokens if plan.num_tokens is not None else prompt_tokens(body)
         return self.policy.decide(tokens, self.router.decode.least_prefilling(), prefill_queue)
 

@@ -39,6 +39,7 @@ class UpstreamState:
     kv_holder: dict | None = None  # where producers may claim blocks it caches (signed by it)
     engine_id: str = ""  # as its last report said (a restarted instance is a new engine)
     prefix_cache: PrefixCacheInfo | None = None  # how it hashes blocks (for the KV index)
+    prefill_tokens_per_s: float = 0.0  # as it measured its own steps (0: not yet)
     last_probe: float = 0.0
 
     @property
@@ -70,6 +71,11 @@ class Pool:
     def candidates(self) -> list[UpstreamState]:
         """Every instance, least loaded first; equals take turns (so idle instances share the load)."""
         return self.ordered("least-loaded")
+
+    def rotated(self) -> list[UpstreamState]:
+        """Every instance, starting one further each call (so equals take turns once sorted)."""
+        turn, n = next(self._turn), len(self.states)
+        return [self.states[(turn + i) % n] for i in range(n)]
 
     def ordered(self, policy: str, num_tokens: int | None = None,
                 cached_tokens: Callable[[UpstreamState], int] | None = None) -> list[UpstreamState]:
@@ -131,6 +137,7 @@ class Pool:
                 load = report.load
                 state.engine_id = report.engine_id
                 state.prefix_cache = report.prefix_cache
+                state.prefill_tokens_per_s = load.prefill_tokens_per_s
                 state.waiting = load.num_waiting
                 state.queued = load.num_waiting + load.num_waiting_for_remote_kv
                 state.kv_usage = load.kv_cache_usage

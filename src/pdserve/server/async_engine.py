@@ -17,8 +17,12 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
+import msgspec
+
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.rates import StepRates
+from pdserve.health import Load
 from pdserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -56,7 +60,8 @@ class AsyncEngine:
         self.died = False  # the loop failed after the engine had started (the process should exit)
         # (load, warnings) as of the engine thread's last turn: /health reads it without waiting
         # for a step (a long one would make a busy instance look down)
-        self.snapshot: tuple[dict, list[str]] | None = None
+        self.snapshot: tuple[Load, list[str]] | None = None
+        self.rates = StepRates()  # measured on the engine thread, published with the load
         # (fn(engine), future or None); None stops the loop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._exited = threading.Event()
@@ -204,14 +209,19 @@ class AsyncEngine:
                 commands = True
             if commands:
                 self._publish()
+            computed, start = engine.scheduler.num_prompt_tokens_computed, time.monotonic()
             outputs = engine.step()
+            self.rates.observe(engine.scheduler.num_prompt_tokens_computed - computed,
+                               len(engine.scheduler.running), time.monotonic() - start)
             if outputs:
                 self._dispatch(outputs)
             self._publish()
 
     def _publish(self) -> None:
         """One reference swap: readers on the event loop see the old or the new snapshot."""
-        self.snapshot = (self.engine.load(), self.engine.warnings())
+        load = msgspec.structs.replace(self.engine.load(), prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
+                                       decode_step_s=self.rates.decode_step_s)
+        self.snapshot = (load, self.engine.warnings())
 
     def _next_command(self):
         try:
