@@ -12,20 +12,14 @@ served by a producer without a transfer. `vllm` instances generate up to `max_to
 `max_tokens: 1`, as vLLM's own proxy sends. `auto` asks an instance that is up who it is (one
 question at a time, not again for `ASK_AGAIN_S` after no answer; pdserve until one answers).
 
-Failures (docs/design.md, "Failures"): each leg tries the pool's instances best first
-(router.py) while they refuse (503) or cannot be reached, before anything reaches the client; while
-every producer refuses the request waits (bounded). A producer's error (another 5xx) is not "busy":
-the others are tried once each, then the error is passed on. A decode leg is sent to one instance
-only once it may have arrived there (its params are single-use): if that instance then fails, the
-client gets a 502 naming it. A decode leg that found no taker hands the producer's lease back at once
-(`/kv/release`), as does a client that leaves between the legs. A client that leaves cancels
-whichever leg runs.
+Failures (docs/design.md, "Failures"): how each leg tries the instances is legs.py's. A decode leg
+that found no taker hands the producer's lease back at once (`/kv/release`), as does a client that
+leaves between the legs. A client that leaves cancels whichever leg runs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 
@@ -36,9 +30,9 @@ from pdserve.proxy.decision import LOCAL, REMOTE, DisaggPolicy, prompt_tokens
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.placement import Placement, place
 from pdserve.proxy.prompts import PromptTokens
-from pdserve.proxy.relay import as_stream, carries_token, error_body, parse_body, relay
-from pdserve.proxy.router import Pool, Router, UpstreamState
-from pdserve.proxy.upstream import Reply, Stream, UpstreamError
+from pdserve.proxy.legs import Legs, NoTaker, passed_on
+from pdserve.proxy.relay import as_stream, parse_body
+from pdserve.proxy.router import Router
 
 logger = logging.getLogger("pdserve.proxy")
 
@@ -46,23 +40,7 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 PROTOCOLS = ("auto", "pdserve", "vllm")
 CLIENT_GONE = 499  # nginx's code: the client closed the connection
-EMPTY = "no instance"
 ASK_AGAIN_S = 5.0  # `auto`: after no answer about the protocol, requests go on as pdserve this long
-
-
-class _NoTaker(Exception):
-    """Every instance of a pool refused or could not be reached."""
-
-    def __init__(self, role: str, refused: bool, detail: str):
-        super().__init__(detail)
-        self.role, self.refused, self.detail = role, refused, detail
-
-    def error(self) -> APIError:
-        if self.detail == EMPTY:  # a cluster has not registered any yet (or dropped them all)
-            return APIError(503, f"no {self.role} instance registered", headers={"Retry-After": "1"})
-        if self.refused:
-            return APIError(503, f"every {self.role} instance is busy: {self.detail}")
-        return APIError(502, f"no {self.role} instance reachable: {self.detail}")
 
 
 class PDFlow:
@@ -73,11 +51,10 @@ class PDFlow:
         self.prompts = prompts  # the model's tokenizer: routes by the blocks a prompt fills
         self.metrics = metrics
         self.protocol = None if protocol == "auto" else protocol
-        self.max_wait_s = max_wait_s
         self.policy = policy
         self._asking: asyncio.Future | None = None  # `auto`: the question in flight
         self._ask_after = 0.0
-        self._keys = itertools.count()
+        self.legs = Legs(metrics, max_wait_s)
 
     async def upstream_protocol(self) -> str:
         """`auto`: the `owned_by` of an instance that is up says (pdserve until one answers)."""
@@ -110,7 +87,7 @@ class PDFlow:
             if watcher.done() and not watcher.cancelled():
                 return Response(status_code=CLIENT_GONE)
             raise
-        except _NoTaker as e:
+        except NoTaker as e:
             return e.error().response({"Retry-After": "1"} if e.refused else None)
         except APIError as e:
             return e.response()
@@ -128,14 +105,14 @@ class PDFlow:
         if protocol == "pdserve" and _max_tokens(body) == 1:  # nothing to decode: no transfer
             self.metrics.requests.labels("prefill_only").inc()
             if self.router.prefill.states:
-                return await self._answer(self.router.prefill, path, body, headers, start, rank=plan.prefill)
-            return await self._answer(self.router.decode, path, body, headers, start, rank=plan.decode)
+                return await self.legs.answer(self.router.prefill, path, body, headers, start, rank=plan.prefill)
+            return await self.legs.answer(self.router.decode, path, body, headers, start, rank=plan.decode)
         decision = LOCAL if not self.router.prefill.states else self._decide(body, plan)
         self.metrics.decisions.labels(decision).inc()
         headers["X-PD-Decision"] = decision
         if decision == LOCAL:  # decode prefills it itself
             self.metrics.requests.labels("decode_only").inc()
-            return await self._answer(self.router.decode, path, body, headers, start, prefills=True,
+            return await self.legs.answer(self.router.decode, path, body, headers, start, prefills=True,
                                       rank=plan.decode)
 
         p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
@@ -150,11 +127,11 @@ class PDFlow:
             p_body["max_tokens"] = 1
             if "max_completion_tokens" in p_body:
                 p_body["max_completion_tokens"] = 1
-        producer, p_resp = await self._post(self.router.prefill, path, p_body, headers, rank=plan.prefill)
+        producer, p_resp = await self.legs.post(self.router.prefill, path, p_body, headers, rank=plan.prefill)
         self.metrics.prefill.observe(time.monotonic() - start)
         if p_resp.status_code != 200:
             self.metrics.requests.labels(f"prefill_{p_resp.status_code}").inc()
-            return _passed_on(p_resp, headers)
+            return passed_on(p_resp, headers)
         p_json = p_resp.json()
         kv = p_json.get("kv_transfer_params")
         if not kv and (protocol == "pdserve" or _all_stopped(p_json)):
@@ -169,13 +146,13 @@ class PDFlow:
         taken = False
         producer.upstream.hold()  # its client stays open while its lease may have to go back
         try:
-            response = await self._answer(self.router.decode, path, {**body, "kv_transfer_params": kv}
+            response = await self.legs.answer(self.router.decode, path, {**body, "kv_transfer_params": kv}
                                           if kv else body, headers, start, rank=plan.decode)
             taken = response.status_code == 200
             return response
         finally:
             if kv and not taken:  # no decode instance took it: free the producer's blocks now
-                self._release(producer, kv, headers)
+                self.legs.release(producer, kv, headers)
             producer.upstream.unhold()
 
     def _decide(self, body: dict, plan: Placement) -> str:
@@ -191,143 +168,6 @@ class PDFlow:
         tokens = plan.num_tokens if plan.num_tokens is not None else prompt_tokens(body)
         return self.policy.decide(tokens, self.router.decode.least_prefilling(), prefill_queue)
 
-    # --- legs -----------------------------------------------------------------------------------
-
-    async def _post(self, pool: Pool, path: str, body: dict, headers: dict,
-                    prefills: bool = False, rank: list[UpstreamState] | None = None) -> tuple[UpstreamState, Reply]:
-        """The first whole answer that is not a refusal (`prefills`: the prompt is prefilled there;
-        no first token is seen, so it counts until the instance's next report or the answer)."""
-        async def send(state: UpstreamState) -> Reply:
-            key = next(self._keys)
-            if prefills:
-                state.unseen[key] = time.monotonic()
-            try:
-                return await state.upstream.post_json(path, body, headers)
-            finally:
-                state.unseen.pop(key, None)
-        state, resp = await self._take(pool, send, rank=rank)
-        self._count(pool, state, -1)
-        return state, resp
-
-    async def _answer(self, pool: Pool, path: str, body: dict, headers: dict, start: float,
-                      prefills: bool = False, rank: list[UpstreamState] | None = None) -> Response:
-        """The client's answer from the first instance of the pool (in `rank`'s order) that takes
-        the request (`prefills`: the prompt is prefilled there, which counts until its first token)."""
-        if not body.get("stream"):
-            _, resp = await self._post(pool, path, body, headers, prefills, rank)
-            self.metrics.e2e.observe(time.monotonic() - start)
-            return _passed_on(resp, headers)
-        state, resp = await self._take(pool, lambda s: s.upstream.open_stream(path, body, headers), prefills,
-                                       rank)
-        if resp.status_code != 200:
-            detail = (await resp.read()).decode(errors="replace")
-            await resp.close()
-            self._count(pool, state, -1, prefills)
-            return JSONResponse(error_body(resp.status_code, detail), status_code=resp.status_code, headers=headers)
-        return StreamingResponse(self._stream(pool, state, resp, start, prefills), media_type="text/event-stream",
-                                 headers=headers)
-
-    async def _take(self, pool: Pool, send, prefills: bool = False,
-                    rank: list[UpstreamState] | None = None) -> tuple[UpstreamState, Reply | Stream]:
-        """`send` to the pool's instances, best first, until one does not refuse. While every
-        producer refuses (busy: its blocks are held for readers) the request waits, up to
-        `max_wait_s`, as it would in a queue, holding nothing meanwhile; a decode leg does not wait
-        (a lease is running). The instance that took it stays counted as outstanding."""
-        deadline = time.monotonic() + (self.max_wait_s if pool.role == "prefill" else 0)
-        pause = 0.1
-        while True:
-            try:
-                return await self._take_once(pool, send, prefills, rank)
-            except _NoTaker:
-                if time.monotonic() + pause > deadline:
-                    raise
-            await asyncio.sleep(pause)
-            pause = min(1.0, pause * 2)
-
-    async def _take_once(self, pool: Pool, send, prefills: bool,
-                         rank: list[UpstreamState] | None) -> tuple[UpstreamState, Reply | Stream]:
-        """One try of every instance (in `rank`'s order, else least loaded first). A producer's error
-        answer is kept and, if nobody takes the request, passed on (it ends the wait: it is no refusal)."""
-        last, refused, failed = EMPTY, False, None
-        for i, state in enumerate(rank if rank is not None else pool.candidates()):
-            if state not in pool.states:  # it left the pool while an earlier one was tried
-                continue
-            if i:
-                self.metrics.retries.labels(pool.role).inc()
-            self._count(pool, state, +1, prefills)
-            try:
-                resp = await send(state)
-            except UpstreamError as e:
-                self._count(pool, state, -1, prefills)
-                self._failed(pool, state, e)
-                if e.sent and pool.role == "decode":  # it may hold the single-use params now
-                    raise APIError(502, f"decode instance {state.url} failed after taking the request: {e}") \
-                        from None
-                last = str(e)
-                continue
-            if resp.status_code == 503 or (pool.role == "prefill" and resp.status_code >= 500
-                                           and resp.status_code != 504):
-                self._count(pool, state, -1, prefills)
-                outcome = "refused" if resp.status_code == 503 else "failed"
-                self.metrics.upstream_requests.labels(pool.role, state.url, outcome).inc()
-                if outcome == "refused":
-                    await resp.close()
-                    refused, last = True, f"{state.url} answered {resp.status_code}"
-                else:
-                    if failed is not None:
-                        await failed[1].close()
-                    failed = (state, resp)
-                continue
-            self.metrics.upstream_requests.labels(pool.role, state.url, "ok").inc()
-            return state, resp
-        if failed is not None:
-            self._count(pool, failed[0], +1, prefills)  # the caller counts it down with its answer
-            return failed
-        raise _NoTaker(pool.role, refused, last)
-
-    async def _stream(self, pool: Pool, state: UpstreamState, resp: Stream, start: float, prefills: bool):
-        try:
-            async for chunk in relay(resp, pool.role, state.url, self.metrics, start):
-                if prefills and carries_token(chunk):  # that prompt's prefill is done
-                    state.prefilling -= 1
-                    prefills = False
-                yield chunk
-        finally:
-            await resp.close()
-            self._count(pool, state, -1, prefills)
-
-    # --- bookkeeping ------------------------------------------------------------------------------
-
-    def _release(self, producer: UpstreamState, kv: dict, headers: dict) -> None:
-        """Hand a lease back to its producer (a task of its own: a client that left cannot stop it;
-        the producer's client stays open until it is done)."""
-        async def release():
-            try:
-                r = await producer.upstream.post_json("/kv/release", {"kv_transfer_params": kv}, headers)
-                if r.status_code == 200 and r.json().get("released"):
-                    self.metrics.releases.inc()
-            except (UpstreamError, ValueError) as e:
-                logger.info("could not hand the lease back to %s: %s", producer.url, e)
-            finally:
-                producer.upstream.unhold()
-        producer.upstream.hold()
-        asyncio.ensure_future(release())
-
-    def _failed(self, pool: Pool, state: UpstreamState, error: UpstreamError) -> None:
-        """A call that broke. An instance that did not answer in time may be alive and busy: it
-        stays up; any other failure marks it down until a probe finds it up."""
-        if not error.timeout:
-            pool.mark_down(state, str(error))
-        self.metrics.upstream_errors.labels(pool.role).inc()
-        self.metrics.upstream_requests.labels(pool.role, state.url, "timeout" if error.timeout
-                                              else "unreachable").inc()
-
-    def _count(self, pool: Pool, state: UpstreamState, delta: int, prefills: bool = False) -> None:
-        state.outstanding += delta
-        if prefills:
-            state.prefilling += delta
-        self.metrics.outstanding.labels(pool.role, state.url).set(state.outstanding)
-
 
 async def _cancel_when_gone(is_disconnected, task: asyncio.Future, every_s: float = 0.1) -> None:
     while not task.done():
@@ -335,10 +175,6 @@ async def _cancel_when_gone(is_disconnected, task: asyncio.Future, every_s: floa
             task.cancel()
             return
         await asyncio.sleep(every_s)
-
-
-def _passed_on(resp: Reply, headers: dict) -> Response:
-    return Response(resp.content, status_code=resp.status_code, media_type="application/json", headers=headers)
 
 
 def _max_tokens(body: dict):
