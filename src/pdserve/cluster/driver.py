@@ -114,8 +114,9 @@ class RayDeployment:
                 raise TimeoutError(f"instances not up within {timeout_s:.0f} s: {json.dumps(status)}")
 
     def _start_proxy(self) -> None:
+        tokenizer = ["--tokenizer", self.model] if Path(self.model).exists() else []  # kv-aware routing
         self.proxy = Instance("proxy", ["proxy", "--port", str(self.proxy_port), "--host", self.args.host,
-                                        *shlex.split(self.args.proxy_args)], host=self.args.host)
+                                        *tokenizer, *shlex.split(self.args.proxy_args)], host=self.args.host)
         self.proxy.spawn(self.log_dir, {**self.env, "PDSERVE_ADMIN_KEY": self.admin_key})
         self.proxy.wait_healthy(60, listening_only=True)  # (healthy once a decode instance is routed)
         self.proxy_port = self.proxy.port
