@@ -30,3 +30,13 @@ def test_runs_started_on_a_busy_machine_are_named():
     assert text.splitlines()[-1] == "Not comparable: other work kept the machine busy before colocated " \
                                     "at 1.0 req/s (0.60 cores)."
     assert "Not comparable" not in table({"goodput_slos_ms": {}, "runs": runs[:1]})
+
+
+def test_reuse_gets_a_column_beside_its_lru_bound_when_counted():
+    runs = [{**RUN, "target": "kv-aware", "prefill_hit_rate": 0.61, "lru_bound_hit_rate": 0.66},
+            {**RUN, "target": "least-loaded", "prefill_hit_rate": 0.2},
+            {**RUN, "target": "vllm"}]
+    rows = table({"goodput_slos_ms": {}, "runs": runs}).splitlines()
+    assert rows[2].endswith("prompt tokens not computed (LRU bound) |") and rows[3].count("|") == rows[2].count("|")
+    assert rows[4].endswith("| 61% (66%) |") and rows[5].endswith("| 20% |") and rows[6].endswith("| – |")
+    assert "not computed" not in table({"goodput_slos_ms": {}, "runs": [{**RUN, "target": "pd"}]})

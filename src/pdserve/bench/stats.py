@@ -3,7 +3,8 @@
 Any process (pure functions). A request's TTFT is the time to its first content chunk, its ITLs the
 gaps between content chunks, its TPOT (E2EL − TTFT) / (output tokens − 1), its E2EL the time to the
 last byte. Goodput counts requests that met every SLO given (`ttft`, `tpot`, `e2el`; `itl` is the
-largest gap of the request, a pdserve addition), per second of the run.
+largest gap of the request, a pdserve addition), per second of the run. Sessions (multi-turn)
+add the median TTFT of each turn.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class RequestResult:
     start: float = 0.0  # seconds since the run began
     generated_text: str = ""
     pd_decision: str | None = None  # where a pdserve proxy had it prefilled (X-PD-Decision)
+    session_id: str | None = None
+    turn: int | None = None  # its place in its session (0: the first)
 
     @property
     def tpot(self) -> float | None:
@@ -105,6 +108,10 @@ def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, f
     out["ttfts"] = [r.ttft for r in results]
     out["itls"] = [r.itls for r in results]
     out["errors"] = [r.error for r in results]
+    turns = [r.turn for r in ok if r.turn is not None]
+    if turns and max(turns) > 0:  # sessions: does a turn with a longer history start later?
+        out["median_ttft_ms_by_turn"] = [percentile([r.ttft * 1000 for r in ok if r.turn == t], 50)
+                                          for t in range(max(turns) + 1)]
     decisions = [r.pd_decision for r in results if r.pd_decision]
     if decisions:  # a pdserve proxy said where each prompt was prefilled
         out["pd_decisions"] = {d: decisions.count(d) for d in sorted(set(decisions))}

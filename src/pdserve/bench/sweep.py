@@ -4,7 +4,9 @@ with plots and a table.
 Benchmark client process. A target is `NAME=URL`, or `NAME=up MODEL [flags]` / `NAME=serve MODEL
 [flags]`: a `pdserve up` or `pdserve serve` this command starts (on the cores its flags give),
 warms up, sweeps, and stops. Each rate sends new prompts (`--seed` plus the rate's index: the same
-prompts again would be served from the prefix cache), and every target gets the same ones. Writes
+prompts again would be served from the prefix cache), and every target gets the same ones. The
+instances' counters (bench/instance_counters.py) are read from the target's instances: a pdserve
+proxy's (from its /health), else the target itself, unless --metrics-url names them. Writes
 sweep.json, sweep.md and PNGs (TTFT and ITL p50/p99 against rate, goodput against rate, the ITL CDF
 at one rate) into `--result-dir`.
 """
@@ -12,6 +14,7 @@ at one rate) into `--result-dir`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import tempfile
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench import serve
+from pdserve.bench import datasets, instance_counters, serve
 from pdserve.bench.machine import BUSY_WARNING_CORES
 from pdserve.launcher import Instance
 
@@ -65,8 +68,7 @@ class Target:
 
 def warm_up(url: str, args) -> None:
     """Short and long prompts first: kernels built, KV pages touched, connections made."""
-    longest = max(args.random_input_len, args.mixed_long_len if args.dataset_name == "mixed" else 0,
-                  args.prefix_len + args.random_input_len if args.dataset_name == "prefix-sharing" else 0)
+    longest = max((r.prompt_len for r in datasets.make(serve.dataset_args(args))), default=64)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     for n in (64, min(longest, args.max_model_len - 16), 64, min(longest, args.max_model_len - 16)):
         body = {"prompt": [1] + [7 + i % 500 for i in range(n - 1)], "max_tokens": 8, "ignore_eos": True}
@@ -86,15 +88,16 @@ def main(args) -> int:
         name, what = parse_target(spec)
         with Target(name, what, log_dir) as target:
             warm_up(target.url, args)
+            metrics_urls = args.metrics_url or instance_counters.instance_urls(target.url, args.api_key)
             for i, rate in enumerate(rates):  # new prompts at each rate: none is in a prefix cache
-                r = serve.benchmark(target.url, args, rate, seed=args.seed + i)
+                r = serve.benchmark(target.url, args, rate, seed=args.seed + i, metrics_urls=metrics_urls)
                 r["target"] = name
                 print(f"{name} at {rate:g} req/s: goodput {r.get('request_goodput', 0):.2f} req/s, "
                       f"TTFT p50 {r['median_ttft_ms']:.0f} ms, ITL p99 {r['p99_itl_ms']:.0f} ms, "
                       f"client CPU {r['client_cpu_share']:.0%} of a core", flush=True)
                 runs.append(r)
     summary = {"rates": rates, "targets": [parse_target(t)[0] for t in args.target],
-               "workload": serve.dataset_args(args).__dict__, "goodput_slos_ms": runs[0]["goodput_slos_ms"],
+               "workload": dataclasses.asdict(serve.dataset_args(args)), "goodput_slos_ms": runs[0]["goodput_slos_ms"],
                "runs": [_compact(r) for r in runs]}
     (out_dir / "sweep.json").write_text(json.dumps(summary, indent=1) + "\n")
     (out_dir / "sweep.md").write_text(table(summary) + "\n")
@@ -118,10 +121,12 @@ def _p99(xs: list[float]) -> float:
 def table(summary: dict) -> str:
     slos = ", ".join(f"{k} ≤ {v:g} ms" for k, v in summary["goodput_slos_ms"].items()) or "none"
     local = any(r.get("pd_decisions", {}).get("local") for r in summary["runs"])
+    reuse = any("prefill_hit_rate" in r for r in summary["runs"])
     lines = [f"Goodput counts requests meeting every SLO ({slos}).", "",
              "| target | rate req/s | completed | goodput req/s (share) | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-             "max ITL p99 ms | TPOT p50 ms |" + (" prefilled on decode |" if local else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|" if local else "")]
+             "max ITL p99 ms | TPOT p50 ms |" + (" prefilled on decode |" if local else "")
+             + (" prompt tokens not computed (LRU bound) |" if reuse else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if local else "") + ("---|" if reuse else "")]
     for r in summary["runs"]:
         row = (f"| {r['target']} | {r['request_rate']} | {r['completed']} | "
                f"{r.get('request_goodput', 0):.2f} ({r.get('goodput_fraction', 0):.0%}) | "
@@ -130,6 +135,9 @@ def table(summary: dict) -> str:
         if local:
             decisions = r.get("pd_decisions")
             row += f" {decisions.get('local', 0)} of {sum(decisions.values())} |" if decisions else " – |"
+        if reuse:
+            bound = f" ({r['lru_bound_hit_rate']:.0%})" if "lru_bound_hit_rate" in r else ""
+            row += f" {r['prefill_hit_rate']:.0%}{bound} |" if "prefill_hit_rate" in r else " – |"
         lines.append(row)
     busy = [f"{r['target']} at {r['request_rate']} req/s ({r['background_busy_cores']:.2f} cores)"
             for r in summary["runs"] if (r.get("background_busy_cores") or 0) > BUSY_WARNING_CORES]
