@@ -60,3 +60,25 @@ def test_the_thread_sleeps_when_idle_and_serves_a_step_when_woken():
     finally:
         w.close()
     assert not w._thread.is_alive()
+
+
+def test_a_rank_with_something_to_report_wakes_the_engine_once_per_report():
+    """A notification (or a READ's end) reaches an engine that is not stepping: the rank announces
+    its report when it gets its first item, and again only after the engine took it."""
+    fabric = LoopbackFabric(Clock())
+    announced = []
+    w = WorkerConnector(KVTransferConfig(), 4, 0, 1, _registered(cache()), "P", fabric.agent, threaded=False,
+                        on_report=lambda: announced.append(1))
+    w.start_step(ConnectorMetadata("P", poll_notifications=True))
+    w.run_once()
+    assert announced == []  # nothing to report: the engine sleeps
+    for i in range(3):
+        fabric.forge("P/rank0", "D/rank0", msgspec.msgpack.encode(Notification(f"p{i}", "D", 0, 1,
+                                                                               NotificationKind.DONE)))
+        w.run_once()
+    assert len(announced) == 1
+    assert len(w.report().notifications) == 3
+    fabric.forge("P/rank0", "D/rank0", b"\xc1")
+    w.run_once()
+    assert len(announced) == 2 and w.report().num_bad_notifications == 1
+    w.close()

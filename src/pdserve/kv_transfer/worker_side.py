@@ -4,7 +4,9 @@ TP rank process. Registers the rank's cache once; per step takes the engine's me
 load or drop, READs to post) and hands back what happened since (READs done or failed, notifications
 received). The transport thread polls every 0.2 ms while its own READs are in flight, every 1 ms
 while the engine holds leased blocks (a READ only progresses while its target calls into the
-transport), and otherwise sleeps until the next step brings work: an idle rank costs no CPU.
+transport), and otherwise sleeps until the next step brings work: an idle rank costs no CPU. When
+the next report gets its first item, `on_report` wakes the engine, which steps to collect it: the
+engine does not step while it waits for a READ or a notification.
 """
 
 from __future__ import annotations
@@ -47,9 +49,13 @@ class RegisteredCache:
 class WorkerConnector:
     def __init__(self, config: KVTransferConfig, num_kv_heads: int, rank: int, tp_size: int,
                  cache: RegisteredCache, engine_id: str, make_agent: AgentFactory,
-                 threaded: bool = True, clock: Callable[[], float] = time.monotonic):
-        """`threaded=False`: no transport thread; the owner calls `run_once` (tests)."""
+                 threaded: bool = True, clock: Callable[[], float] = time.monotonic,
+                 on_report: Callable[[], None] = lambda: None):
+        """`threaded=False`: no transport thread; the owner calls `run_once` (tests). `on_report`:
+        called on the transport thread when the report waiting for the next step gets its first
+        item (once until `report` takes it)."""
         self.rank = rank
+        self._on_report = on_report
         self.agent = make_agent(f"{engine_id}/rank{rank}")
         self.agent.register(cache.address, cache.size_bytes, cache.device)
         r = cache.regions
@@ -64,6 +70,7 @@ class WorkerConnector:
         self._inbox: queue.SimpleQueue[ConnectorMetadata | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._report = ConnectorReport()
+        self._announced = False  # `on_report` was called for the report being filled
         self._polling = False  # the engine holds leased blocks: poll notifications
         self._closed = False
         self._consumer_engine_id = engine_id
@@ -84,6 +91,7 @@ class WorkerConnector:
     def report(self) -> ConnectorReport:
         with self._lock:
             report, self._report = self._report, ConnectorReport()
+            self._announced = False
         return report
 
     def loaded_peers(self) -> list[str]:
@@ -150,8 +158,7 @@ class WorkerConnector:
             if warning:
                 logger.warning("SLOW KV TRANSFERS: rank %d reads producer %s on this host without "
                                "shared memory: %s", self.rank, peer.engine_id, warning)
-                with self._lock:
-                    self._report.warnings.append(f"producer {peer.engine_id} (same host): {warning}")
+                self._to_report(warnings=[f"producer {peer.engine_id} (same host): {warning}"])
         self.reader.evict(meta.evict_peers)
         failed = []
         for spec in meta.reads:
@@ -173,9 +180,22 @@ class WorkerConnector:
 
     def _add(self, results: list[ReadDone | ReadFailure]) -> None:
         """READ outcomes for the next report."""
+        if results:
+            self._to_report(done=[r for r in results if not isinstance(r, ReadFailure)],
+                            failed=[r for r in results if isinstance(r, ReadFailure)])
+
+    def _to_report(self, done=(), failed=(), notifications=(), num_bad_notifications=0, warnings=()) -> None:
+        """Add to the next report; the first addition since the engine took one wakes it."""
         with self._lock:
-            for item in results:
-                (self._report.failed if isinstance(item, ReadFailure) else self._report.done).append(item)
+            r = self._report
+            r.done.extend(done)
+            r.failed.extend(failed)
+            r.notifications.extend(notifications)
+            r.num_bad_notifications += num_bad_notifications
+            r.warnings.extend(warnings)
+            announce, self._announced = not self._announced, True
+        if announce:
+            self._on_report()
 
     def _collect_notifications(self) -> None:
         try:
@@ -192,6 +212,4 @@ class WorkerConnector:
                     bad += 1
                     logger.warning("rank %d: undecodable notification from %s", self.rank, sender)
         if received or bad:
-            with self._lock:
-                self._report.notifications.extend(received)
-                self._report.num_bad_notifications += bad
+            self._to_report(notifications=received, num_bad_notifications=bad)

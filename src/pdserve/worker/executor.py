@@ -3,15 +3,20 @@
 Engine process. `execute` sends a step to every rank and waits for all reports, bounded by the step
 timeout; a rank that dies or stops answering raises `EngineDeadError` (the engine does not go on with
 a partial group), and so does a rank found dead between steps (`check_ranks`). Children die with the thread that created them (PR_SET_PDEATHSIG), so create the
-executor in a thread that lives as long as the engine.
+executor in a thread that lives as long as the engine. A rank whose connector has a report for the
+next step says so between steps (rank 0 by a call, the others by an empty message on a pipe of their
+own, read by one thread here): `reports_waiting` is set and `wake` ends the engine loop's sleep.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
+import threading
 import time
 from datetime import timedelta
+from typing import Callable
 
 import msgspec
 import torch.distributed as dist
@@ -29,11 +34,16 @@ class EngineDeadError(RuntimeError):
 
 
 class Executor:
-    def __init__(self, config: EngineConfig, num_blocks: int, engine_id: str):
+    def __init__(self, config: EngineConfig, num_blocks: int, engine_id: str,
+                 wake: Callable[[], None] = lambda: None):
         self.config = config
         self.tp_size = config.parallel.tensor_parallel_size
+        self._wake = wake  # called on another thread
+        self.reports_waiting = False  # a rank has a connector report for the next step
         self._procs: list[mp.Process] = []
         self._conns = []
+        self._report_conns = []  # ranks 1..N-1: an empty message when their report has something
+        self._report_thread: threading.Thread | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._out_decoder = msgspec.msgpack.Decoder(StepOutput)
         self._debug_decoder = msgspec.msgpack.Decoder(DebugResult)
@@ -49,14 +59,18 @@ class Executor:
             ctx = mp.get_context("spawn")
             for rank in range(1, self.tp_size):
                 parent, child = ctx.Pipe()
+                report_parent, report_child = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=rank_main, name=f"pdserve-rank{rank}", daemon=True,
-                                   args=(config, rank, num_blocks, engine_id, store_port, child))
+                                   args=(config, rank, num_blocks, engine_id, store_port, child, report_child))
                 proc.start()
                 child.close()
+                report_child.close()
                 self._procs.append(proc)
                 self._conns.append(parent)
+                self._report_conns.append(report_parent)
         try:
-            self.local = Worker(config, 0, num_blocks, engine_id, store_port, store)
+            self.local = Worker(config, 0, num_blocks, engine_id, store_port, store,
+                                on_report=self._rank_reported)
             self.rank_agents.append(self.local.rank_agent())
             ready_decoder = msgspec.msgpack.Decoder(RankReady)
             for rank, conn in enumerate(self._conns, start=1):
@@ -68,6 +82,28 @@ class Executor:
             self.shutdown()
             raise
         self._store = store
+        if self._report_conns:
+            self._report_thread = threading.Thread(target=self._watch_reports, args=(list(self._report_conns),),
+                                                   name="pdserve-rank-reports", daemon=True)
+            self._report_thread.start()
+
+    def _rank_reported(self) -> None:
+        self.reports_waiting = True
+        self._wake()
+
+    def _watch_reports(self, conns: list) -> None:
+        """Until every child rank has closed its end (it exited): each message wakes the engine,
+        and so does a rank's end (`check_ranks` then says which rank died)."""
+        while conns:
+            for conn in mp.connection.wait(conns):
+                try:
+                    while conn.poll():
+                        conn.recv_bytes()
+                except (EOFError, OSError):
+                    conns.remove(conn)
+                    self._wake()
+                    continue
+                self._rank_reported()
 
     def _recv(self, rank: int, conn, timeout_s: float) -> bytes:
         deadline = time.monotonic() + timeout_s
@@ -92,6 +128,7 @@ class Executor:
 
     def execute(self, step: StepInput) -> list[StepOutput]:
         """Run one step on every rank; returns the outputs in rank order (rank 0 samples)."""
+        self.reports_waiting = False  # what was announced before now comes up with this step
         self._broadcast(step)
         try:
             outputs = [self.local.execute(step)]
@@ -139,7 +176,11 @@ class Executor:
                 proc.join(timeout=5)
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns = [], []
+        if self._report_thread is not None:
+            self._report_thread.join(timeout=5)  # ends when the ranks' ends close (they exited)
+        for conn in self._report_conns:
+            conn.close()
+        self._procs, self._conns, self._report_conns = [], [], []
         local = getattr(self, "local", None)
         if local is not None:
             local.close()

@@ -1,7 +1,9 @@
 """One TP rank: its model shard, its KV cache, its sampler (rank 0) and its half of the connector.
 
 Rank 0 lives in the engine process; ranks 1..N-1 run `rank_main` in child processes spawned by the
-executor. A rank executes exactly what the engine's `StepInput` says and reports back.
+executor. A rank executes exactly what the engine's `StepInput` says and reports back; between
+steps its connector may only say that it has something to report (`on_report`: an empty message on
+its own pipe, for a child), so that the engine steps to collect it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import Callable
 
 import msgspec
 import torch
@@ -50,7 +53,7 @@ def tune_allocator() -> None:
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int, num_blocks: int, engine_id: str,
-                 store_port: int = 0, store=None):
+                 store_port: int = 0, store=None, on_report: Callable[[], None] = lambda: None):
         self.config, self.rank = config, rank
         tune_allocator()
         torch.set_num_threads(config.threads_per_rank())
@@ -71,7 +74,7 @@ class Worker:
         self.step_delay_s = 0.0  # a test hook (`/debug/step_delay`): every model step takes this longer
         if config.kv_transfer is not None:
             self.connector = kv_connector(config.kv_transfer, spec, rank, tp_size, self.kv_cache,
-                                               engine_id)
+                                          engine_id, on_report)
 
     def rank_agent(self):
         return self.connector.rank_agent() if self.connector else None
@@ -117,7 +120,7 @@ class Worker:
 
 
 def kv_connector(config: KVTransferConfig, spec: ModelSpec, rank: int, tp_size: int,
-                      kv_cache: KVCache, engine_id: str):
+                 kv_cache: KVCache, engine_id: str, on_report: Callable[[], None] = lambda: None):
     """This rank's half of the connector, on its cache, over NIXL."""
     from pdserve.kv_transfer.descriptors import RegionTable
     from pdserve.kv_transfer.worker_side import RegisteredCache, WorkerConnector
@@ -127,7 +130,7 @@ def kv_connector(config: KVTransferConfig, spec: ModelSpec, rank: int, tp_size: 
                             RegionTable(tuple(kv_cache.region_addresses()), layout.block_bytes,
                                         layout.head_bytes, layout.num_kv_heads, layout.num_blocks))
     return WorkerConnector(config, spec.num_kv_heads, rank, tp_size, cache, engine_id,
-                           lambda name: NixlAgent(name, config.backend))
+                           lambda name: NixlAgent(name, config.backend), on_report=on_report)
 
 
 _decoder = msgspec.msgpack.Decoder(StepInput | Shutdown | DebugCall)
@@ -142,16 +145,25 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def _announce(conn: Connection) -> None:
+    try:
+        conn.send_bytes(b"")
+    except OSError:  # the engine is gone; this rank ends with it
+        pass
+
+
 def rank_main(config: EngineConfig, rank: int, num_blocks: int, engine_id: str, store_port: int,
-              conn: Connection) -> None:
-    """Entry point of TP ranks 1..N-1 (spawned). Answers every step on `conn` until told to stop."""
+              conn: Connection, report_conn: Connection) -> None:
+    """Entry point of TP ranks 1..N-1 (spawned). Answers every step on `conn` until told to stop;
+    an empty message on `report_conn` (written only by the connector's transport thread) says the
+    next step has a connector report to collect."""
     die_with_parent()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # this rank's NIXL thread beside its step loop
     if config.parallel.rank_cpus:
         os.sched_setaffinity(0, config.parallel.rank_cpus[rank])
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
     try:
-        worker = Worker(config, rank, num_blocks, engine_id, store_port)
+        worker = Worker(config, rank, num_blocks, engine_id, store_port, on_report=lambda: _announce(report_conn))
     except Exception:
         conn.send_bytes(_encoder.encode(RankReady(rank, error=traceback.format_exc())))
         sys.exit(1)
