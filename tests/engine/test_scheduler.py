@@ -1,15 +1,18 @@
-"""Scheduler: admission against `--max-num-seqs`, and which cached blocks a P/D consumer shares, on a
-BlockPool and Scheduler directly."""
+"""Scheduler: admission against `--max-num-seqs`, which cached blocks a P/D consumer shares, what the
+end of a remote load (or a producer's pull) means for scheduling, on a BlockPool and Scheduler
+directly."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from pdserve.config import SchedulerConfig
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, TransferState
 from pdserve.engine.scheduler import Scheduler
-from pdserve.kv_transfer.params import FirstToken, KVTransferParams
+from pdserve.kv_transfer.params import FirstToken, Holder, KVTransferParams
 from pdserve.prefix_cache.hashing import hash_blocks, wire_hash
 from pdserve.sampling_params import SamplingParams
 
@@ -46,7 +49,7 @@ def test_requests_loading_remote_kv_count_against_max_num_seqs_for_local_ones():
     out = s.schedule()
     assert not out.chunks and _num_admitted(s) == 2  # the local one waits for a slot
     for r in list(s.loading):  # the loads land: running never exceeds the limit
-        s.remote_kv_loaded(r)
+        s.load_ended(r, TransferState.KV_LOADED)
     assert len(s.running) == 2
     s.finish(s.running[0], RequestStatus.FINISHED_STOPPED)
     out = s.schedule()
@@ -140,3 +143,119 @@ def test_params_without_hashes_share_nothing():
     r.kv_transfer = dataclasses.replace(r.kv_transfer, block_hashes=None)
     s.add(r)
     assert s.schedule().remote_loads[0].num_cached_blocks == 0
+
+
+# --- how a remote load ends: what the engine applies from the connector's outcome --------------------
+
+def test_a_loaded_request_runs_from_its_first_generated_token():
+    s = _delta_scheduler()
+    r = _consumer("d", PROMPT + [5, 6])
+    s.add(r)
+    out = s.schedule()
+    assert [l.request_id for l in out.remote_loads] == ["d"] and not out.chunks
+    assert r.transfer == TransferState.AWAITING_KV and r.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert not s.schedule().chunks  # never scheduled while its KV is in flight
+    s.load_ended(r, TransferState.KV_LOADED)
+    assert r.transfer == TransferState.KV_LOADED and r.status == RequestStatus.RUNNING
+    (chunk,) = s.schedule().chunks
+    assert chunk.token_ids == [7] and chunk.start_pos == len(PROMPT) + 2 and chunk.sample
+    assert s.pool.cached  # the loaded prompt's full blocks serve later requests too
+
+
+def test_a_load_ending_in_recompute_frees_its_blocks_and_prefills_first_in_line():
+    s = _delta_scheduler()
+    r = _consumer("d", PROMPT + [5, 6])
+    s.add(r)
+    s.schedule()
+    s.add(Request("local", [1, 2, 3], SamplingParams(), (), 8))
+    free = s.pool.num_free_blocks
+    s.load_ended(r, TransferState.RECOMPUTING)
+    assert r.transfer == TransferState.RECOMPUTING and s.pool.num_free_blocks == free + 5
+    assert [w.request_id for w in s.waiting] == ["d", "local"]
+    chunks = s.schedule().chunks
+    assert chunks[0].request_id == "d" and chunks[0].start_pos == 0
+    assert chunks[0].token_ids == PROMPT + [5, 6, 7]  # the prompt and the producer's token, computed here
+    assert not s.loading
+
+
+def test_a_queued_request_told_to_recompute_is_admitted_as_a_local_one():
+    s = _scheduler(max_num_seqs=1)
+    s.add(_local("local"))
+    r = _consumer("d", PROMPT)
+    s.add(r)
+    s.schedule()  # "local" holds the only slot: "d" stays queued, no blocks
+    s.load_ended(r, TransferState.RECOMPUTING)
+    assert r.status == RequestStatus.WAITING and r.transfer == TransferState.RECOMPUTING
+    s.finish(s.running[0], RequestStatus.FINISHED_STOPPED)
+    out = s.schedule()
+    assert not out.remote_loads and [c.request_id for c in out.chunks] == ["d"]
+
+
+def test_illegal_transfer_transitions_are_our_bug():
+    s = _delta_scheduler()
+    r = _consumer("d", PROMPT)
+    s.add(r)
+    s.schedule()
+    s.load_ended(r, TransferState.KV_LOADED)
+    with pytest.raises(AssertionError):
+        r.move_transfer_to(TransferState.RECOMPUTING)  # a load ends once
+    with pytest.raises(AssertionError):
+        s.load_ended(r, TransferState.FAILED)  # the engine ends the request itself
+
+
+# --- pulls: a producer reads the prompt blocks a holder caches instead of computing them ----------
+
+HOLDER = Holder("D", "127.0.0.1", 5600, 1)
+
+
+def _producer(request_id: str, prompt: list[int]) -> Request:
+    kv = KVTransferParams(do_remote_decode=True, kv_holders=(HOLDER,))
+    return Request(request_id, prompt, SamplingParams(), (), 8, kv)
+
+
+def _pull_scheduler(min_tokens: int = 8) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=8, kv_pull_min_tokens=min_tokens),
+                     BlockPool(16, BLOCK_SIZE, model_key="m"))
+
+
+def test_a_pull_asks_for_the_full_blocks_this_instance_lacks():
+    s = _pull_scheduler()
+    _cached(s, PROMPT[:4] + [1])  # the first block is cached here
+    r = _producer("p", PROMPT + [1])
+    s.add(r)
+    out = s.schedule()
+    (pull,) = out.remote_pulls
+    assert not out.chunks and r.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert len(pull.block_ids) == 3 and pull.holders == (HOLDER,)
+    assert pull.block_hashes == s.pool.block_hashes(r, 4)[1:]  # by content hash, after the cached one
+    assert r.num_computed_tokens == BLOCK_SIZE
+
+
+def test_a_pull_that_read_some_blocks_computes_only_the_rest():
+    s = _pull_scheduler()
+    r = _producer("p", PROMPT + [1])
+    s.add(r)
+    s.schedule()
+    s.load_ended(r, TransferState.KV_LOADED, num_blocks=2)  # the holder had two of the four
+    assert r.transfer == TransferState.PRODUCING and r.status == RequestStatus.RUNNING
+    (chunk,) = s.schedule().chunks
+    assert chunk.start_pos == 2 * BLOCK_SIZE and chunk.token_ids == PROMPT[8:] + [1]
+
+
+def test_a_failed_pull_computes_everything_and_is_not_tried_again():
+    s = _pull_scheduler()
+    r = _producer("p", PROMPT + [1])
+    s.add(r)
+    s.schedule()
+    s.load_ended(r, TransferState.RECOMPUTING)
+    assert r.transfer == TransferState.PRODUCING and not r.block_ids
+    out = s.schedule()
+    assert not out.remote_pulls and out.chunks[0].start_pos == 0 and out.chunks[0].token_ids == PROMPT + [1]
+
+
+def test_a_short_gap_is_computed_not_pulled():
+    s = _pull_scheduler(min_tokens=5 * BLOCK_SIZE)
+    s.add(_producer("p", PROMPT + [1]))
+    out = s.schedule()
+    assert not out.remote_pulls and out.chunks[0].request_id == "p"
+

@@ -3,7 +3,8 @@
 Each `Instance` is the real scheduler-side connector and one real worker-side connector per TP rank
 (no threads: a step runs them in turn), a real BlockPool, KV caches in numpy arrays, the loopback
 fabric and network (transport/loopback.py) and a fake clock. `step` is an engine step without the
-model: tick, apply, build metadata, run the ranks, process their reports, apply. Producer blocks
+model: the ranks run with the last step's metadata, then one connector call (what was admitted,
+the ranks' reports, what was pinned) and one apply of its outcome. Producer blocks
 are filled with a pattern that names (request, layer, K/V, global head, position, dim), so a test
 checks the consumer received exactly the right bytes for any pair of TP sizes.
 """
@@ -17,10 +18,12 @@ import numpy as np
 from pdserve.config import KVTransferConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.kv_transfer.descriptors import RegionTable
-from pdserve.kv_transfer.messages import Fingerprint
-from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadOutcome, LoadResult, RemoteLoad
+from pdserve.kv_transfer.messages import ConnectorMetadata, Fingerprint
+from pdserve.kv_transfer.outcomes import (ConnectorOutcome, LoadOutcome, Pinned, RemoteLoad, RemotePull,
+                                          StepIn)
 from pdserve.kv_transfer.params import FirstToken, KVTransferParams
 from pdserve.kv_transfer.scheduler_side import SchedulerConnector
+from pdserve.kv_transfer.transfer_state import TransferState
 from pdserve.kv_transfer.worker_side import RegisteredCache, WorkerConnector
 from pdserve.model.parallel import kv_head_range
 from pdserve.prefix_cache.hashing import hash_blocks, wire_hash
@@ -67,22 +70,26 @@ class Instance:
                                             caches=self.pool.cached.__contains__)
         self.blocks: dict[str, list[int]] = {}  # request id -> local blocks (what the engine would own)
         self.outcomes: list[LoadOutcome] = []
+        self.metadata: ConnectorMetadata | None = None  # for the ranks, with the next step
+        self.pinned: list[Pinned] = []  # for the connector, with the next step
+        self.steps_with_metadata = 0  # steps that had to run the ranks to tell them something
 
     # --- the engine's part ------------------------------------------------------------------------
 
-    def step(self) -> None:
+    def step(self, loads: list[RemoteLoad] = (), pulls: list[RemotePull] = ()) -> None:
+        """What Engine.step does around the connector; `loads` and `pulls` are what its scheduler
+        admitted in this step."""
         self.pool.release_quarantine(self.world.clock())
-        for pending in self.connector.pending_claims():  # what Engine._grant_claims does
-            blocks = self.pool.held_run(pending.claim.block_hashes)
-            self.pool.take(blocks)
-            self.connector.grant(pending, blocks)
-        self.apply(self.connector.tick())
-        meta = self.connector.build_metadata()
+        meta, self.metadata = self.metadata, None
+        self.steps_with_metadata += meta is not None
         for w in self.workers:
             if meta is not None:
                 w.start_step(meta)
             w.run_once()
-        self.apply(self.connector.process_reports([w.report() for w in self.workers]))
+        outcome, self.metadata = self.connector.step(StepIn(list(loads), list(pulls),
+                                                            [w.report() for w in self.workers], self.pinned))
+        self.pinned = []
+        self.apply(outcome)
 
     def apply(self, outcome: ConnectorOutcome) -> None:
         """What Engine._apply does, on the pool and the test's block table."""
@@ -96,8 +103,12 @@ class Instance:
                 self.pool.quarantine_blocks(list(o.quarantine_blocks), o.quarantine_until)
                 self.blocks[o.request_id] = [b for b in self.blocks.get(o.request_id, [])
                                              if b not in o.quarantine_blocks]
-            if o.result != LoadResult.LOADED:
+            if o.state != TransferState.KV_LOADED:
                 self.finish(o.request_id)
+        for pin in outcome.pins:
+            blocks = self.pool.held_run(pin.block_hashes)
+            self.pool.take(blocks)
+            self.pinned.append(Pinned(pin.claim_id, blocks))
 
     def finish(self, request_id: str) -> None:
         """The request ends here (its blocks are freed, the connector hears of it)."""
@@ -135,13 +146,13 @@ class Instance:
         self.connector.add_request(request_id, KVTransferParams.parse(params))
 
     def admit(self, request_id: str, num_tokens: int, cached: list[int] = ()) -> list[int]:
-        """The scheduler gives the request its blocks (prompt + first token); `cached`: blocks
+        """The scheduler gives the request its blocks (prompt + first token) in a step; `cached`: blocks
         this instance holds the prompt's first full blocks in (the engine takes them from its
         prefix cache; here the test fills them)."""
         self.pool.take(list(cached))  # one more owner each, as the scheduler takes prefix-cache hits
         blocks = list(cached) + self.pool.allocate(-(-(num_tokens + 1) // BLOCK_SIZE) - len(cached))
         self.blocks[request_id] = blocks
-        self.apply(self.connector.start_loads([RemoteLoad(request_id, blocks, len(cached))]))
+        self.step(loads=[RemoteLoad(request_id, blocks, len(cached))])  # the step that admitted it
         return blocks
 
     def fill(self, blocks: list[int], seed: int, first_position: int = 0) -> None:

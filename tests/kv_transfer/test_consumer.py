@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from harness import expected_kv
-from pdserve.kv_transfer.outcomes import LoadResult
+from pdserve.kv_transfer.transfer_state import TransferState
 from pdserve.kv_transfer.topology import producer_ranks_for
 from pdserve.sampling_params import InvalidRequestError
 
@@ -36,7 +36,7 @@ def assert_idle(*instances):
 def test_the_consumer_gets_exactly_the_producers_kv(world, p_tp, d_tp, heads):
     p, d = pair(world, p_tp, d_tp, num_kv_heads=heads)
     transfer(world, p, d, num_tokens=13, seed=3)
-    assert d.outcome("r1").result == LoadResult.LOADED
+    assert d.outcome("r1").state == TransferState.KV_LOADED
     np.testing.assert_array_equal(d.kv("r1", 13), expected_kv(3, heads, 13))
     asked = world.network.sent[0].ranks  # only the producer ranks decode's ranks read from
     assert asked == sorted({r for c in range(d_tp) for r in producer_ranks_for(c, p_tp, d_tp, heads)})
@@ -54,7 +54,7 @@ def test_one_handshake_per_producer_engine(world):
     world.run()
     kinds = [type(m).__name__ for m in world.network.sent]
     assert kinds.count("HandshakeRequest") == 1
-    assert all(d.outcome(f"r{i}").result == LoadResult.LOADED for i in range(3))
+    assert all(d.outcome(f"r{i}").state == TransferState.KV_LOADED for i in range(3))
     assert d.connector.stats(False)["counters"]["nixl_handshakes"] == 1
 
 
@@ -65,7 +65,7 @@ def test_a_request_queued_longer_than_the_lease_keeps_it(world):
     world.run(steps=10, advance_s=1.0)  # 10 s in decode's queue: three leases long
     d.admit("r1", 9)
     world.run()
-    assert d.outcome("r1").result == LoadResult.LOADED
+    assert d.outcome("r1").state == TransferState.KV_LOADED
     np.testing.assert_array_equal(d.kv("r1", 9), expected_kv(1, 4, 9))
 
 
@@ -78,7 +78,7 @@ def test_a_lease_that_expired_fails_the_request_and_releases_nothing_twice(world
     d.admit("r1", 9)
     world.run()
     o = d.outcome("r1")
-    assert o.result == LoadResult.FAILED and "no longer holds the KV" in o.message
+    assert o.state == TransferState.FAILED and "no longer holds the KV" in o.message
     world.run(steps=3, advance_s=20.0)  # quarantine over
     assert_idle(p, d)
 
@@ -90,7 +90,7 @@ def test_an_unreachable_producer_fails_within_the_handshake_timeout(world):
     d.admit("r1", 9)
     world.run(steps=4, advance_s=1.0)
     o = d.outcome("r1")
-    assert o.result == LoadResult.FAILED and "unreachable" in o.message
+    assert o.state == TransferState.FAILED and "unreachable" in o.message
     assert not d.connector.consumer.peers.peers  # the next request naming it handshakes again
 
 
@@ -101,7 +101,7 @@ def test_an_incompatible_producer_is_named(world):
     d.admit("r1", 9)
     world.run()
     o = d.outcome("r1")
-    assert o.result == LoadResult.FAILED and "incompatible producer" in o.message and "model" in o.message
+    assert o.state == TransferState.FAILED and "incompatible producer" in o.message and "model" in o.message
     world.run(2)
     assert_idle(p, d)  # the producer was told to release at once
 
@@ -124,8 +124,8 @@ def test_a_wrong_tp_size_in_the_first_request_fails_only_that_request(world):
     d.admit("bad", 9)
     d.admit("good", 9)
     world.run(10)
-    assert d.outcome("bad").result == LoadResult.FAILED and "tp_size" in d.outcome("bad").message
-    assert d.outcome("good").result == LoadResult.LOADED
+    assert d.outcome("bad").state == TransferState.FAILED and "tp_size" in d.outcome("bad").message
+    assert d.outcome("good").state == TransferState.KV_LOADED
     np.testing.assert_array_equal(d.kv("good", 9), expected_kv(2, 4, 9))
 
 
@@ -135,11 +135,11 @@ def test_a_transfer_error_fails_the_request_and_evicts_the_producer(world):
     world.fabric.fail_reads = True
     transfer(world, p, d, "r1")
     o = d.outcome("r1")
-    assert o.result == LoadResult.FAILED and "failed" in o.message and o.quarantine_until is None
+    assert o.state == TransferState.FAILED and "failed" in o.message and o.quarantine_until is None
     assert "P" not in d.connector.consumer.peers.peers
     world.fabric.fail_reads = False
     transfer(world, p, d, "r2", seed=5)  # handshakes again, then works
-    assert d.outcome("r2").result == LoadResult.LOADED
+    assert d.outcome("r2").state == TransferState.KV_LOADED
 
 
 def test_a_producer_dying_mid_read_quarantines_the_blocks_it_may_still_write(world):
@@ -149,7 +149,7 @@ def test_a_producer_dying_mid_read_quarantines_the_blocks_it_may_still_write(wor
     world.fabric.lose(p.workers[0].agent.name)
     world.run(steps=2)
     o = d.outcome("r1")
-    assert o.result == LoadResult.FAILED and o.quarantine_until is None  # ERR: the READ is over
+    assert o.state == TransferState.FAILED and o.quarantine_until is None  # ERR: the READ is over
 
 
 def test_a_read_that_times_out_is_in_doubt_and_its_blocks_are_never_reused(world):
@@ -159,7 +159,7 @@ def test_a_read_that_times_out_is_in_doubt_and_its_blocks_are_never_reused(world
     doubtful = list(d.blocks["r1"])
     world.run(steps=4, advance_s=1.0)
     o = d.outcome("r1")
-    assert o.result == LoadResult.FAILED and o.quarantine_until is not None and "timed out" in o.message
+    assert o.state == TransferState.FAILED and o.quarantine_until is not None and "timed out" in o.message
     world.fabric.hang_reads = False
     reused = d.pool.allocate(d.pool.num_free_blocks)  # every block decode can hand out now
     assert not set(reused) & set(doubtful)
@@ -180,7 +180,7 @@ def test_no_read_is_posted_after_the_lease_deadline(world):
     d.admit("r1", 9)
     world.run(1)
     o = d.outcome("r1")
-    assert o is not None and o.result == LoadResult.FAILED and "deadline" in o.message
+    assert o is not None and o.state == TransferState.FAILED and "deadline" in o.message
     assert world.fabric.num_reads == 0
 
 
@@ -201,7 +201,7 @@ def test_client_cancel_while_reading_waits_for_the_read(world):
     transfer(world, p, d, "r1", steps=3)
     assert d.connector.abort("r1")  # a READ is in flight: wait for it
     world.run(steps=3, advance_s=0.5)
-    assert d.outcome("r1").result == LoadResult.ABORTED
+    assert d.outcome("r1").state == TransferState.ABORTED
     world.run(2)
     assert_idle(p, d)
 
@@ -212,7 +212,7 @@ def test_recompute_policy(world):
     params = {**p.prefill("p1", 9), "remote_port": 1, "remote_engine_id": "ghost"}
     d.receive("r1", params)
     world.run(steps=3, advance_s=1.0)
-    assert d.outcome("r1").result == LoadResult.RECOMPUTE  # still queued: it just prefills here
+    assert d.outcome("r1").state == TransferState.RECOMPUTING  # still queued: it just prefills here
 
 
 def test_params_are_used_once(world):
@@ -232,7 +232,7 @@ def test_swapped_block_ids_are_refused_by_the_lease_even_without_a_secret(world)
     d.admit("r1", 9)
     world.run()
     o = d.outcome("r1")
-    assert o.result == LoadResult.FAILED and "other params" in o.message
+    assert o.state == TransferState.FAILED and "other params" in o.message
     assert world.fabric.num_reads == 0
 
 
@@ -247,7 +247,7 @@ def test_block_ids_beyond_the_producers_pool_fail_after_the_handshake(world):
     d.admit("r1", 9)
     world.run()
     o = d.outcome("r1")
-    assert o.result == LoadResult.FAILED and "beyond the producer's pool" in o.message
+    assert o.state == TransferState.FAILED and "beyond the producer's pool" in o.message
     assert world.fabric.num_reads == 0
 
 
@@ -266,7 +266,7 @@ def test_signed_params_cannot_be_changed(world):
     d.receive("r1", params)
     d.admit("r1", 9)
     world.run()
-    assert d.outcome("r1").result == LoadResult.LOADED
+    assert d.outcome("r1").state == TransferState.KV_LOADED
 
 
 def test_a_consumer_dials_only_its_configured_producers(world):
@@ -279,4 +279,4 @@ def test_a_consumer_dials_only_its_configured_producers(world):
     ok.receive("r2", p.prefill("p2", 9))
     ok.admit("r2", 9)
     world.run()
-    assert ok.outcome("r2").result == LoadResult.LOADED
+    assert ok.outcome("r2").state == TransferState.KV_LOADED

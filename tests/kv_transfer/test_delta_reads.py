@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from harness import BLOCK_SIZE, expected_kv
-from pdserve.kv_transfer.outcomes import LoadResult
+from pdserve.kv_transfer.transfer_state import TransferState
 
 
 def pair(world, p_tp=1, d_tp=1, **kw):
@@ -34,7 +34,7 @@ def test_only_the_blocks_decode_lacks_are_read(world, p_tp, d_tp):
     held = cached_blocks(d, 3, seed=3)
     d.admit("r1", 22, cached=held)
     world.run()
-    assert d.outcome("r1").result == LoadResult.LOADED
+    assert d.outcome("r1").state == TransferState.KV_LOADED
     np.testing.assert_array_equal(d.kv("r1", 22), expected_kv(3, 4, 22))
     c = counters(d)
     assert c["kv_blocks_read"] == 3 and c["kv_blocks_read_skipped"] == 3
@@ -51,7 +51,7 @@ def test_a_full_hit_reads_nothing_and_frees_the_producer_at_once(world):
     d.receive("r1", params)
     held = cached_blocks(d, 4, seed=4)
     d.admit("r1", 16, cached=held)
-    assert d.outcome("r1").result == LoadResult.LOADED  # at admission: no handshake, no READ
+    assert d.outcome("r1").state == TransferState.KV_LOADED  # at admission: no handshake, no READ
     world.run(2)
     assert p.pool.num_free_blocks == p.pool.num_blocks and not p.connector.producer.has_leases
     c = counters(d)
@@ -68,7 +68,7 @@ def test_a_read_failing_into_a_request_never_touches_its_shared_blocks(world):
     blocks = d.admit("r1", 20, cached=held)
     world.run(steps=5, advance_s=1.0)
     o = d.outcome("r1")
-    assert o.result == LoadResult.FAILED and o.quarantine_until is not None
+    assert o.state == TransferState.FAILED and o.quarantine_until is not None
     quarantined = {b for _, q in d.pool.quarantine for b in q}
     assert quarantined == set(blocks[2:5])  # the READ's own blocks, not the shared ones
     assert not quarantined & set(held)
@@ -82,7 +82,7 @@ def test_recompute_after_a_failed_delta_read_keeps_the_shared_blocks(world):
     held = cached_blocks(d, 2, seed=6)
     d.admit("r1", 20, cached=held)
     world.run()
-    assert d.outcome("r1").result == LoadResult.RECOMPUTE
+    assert d.outcome("r1").state == TransferState.RECOMPUTING
     assert not d.pool.quarantine and all(d.pool.ref_counts[b] == 1 for b in held)
     d.blocks["held"] = held
     np.testing.assert_array_equal(d.kv("held", 8), expected_kv(6, 4, 8))  # still there, unchanged

@@ -121,7 +121,7 @@ def test_a_transfer_between_instances_mid_rotation(world):
     d.receive("r1", p.prefill("p1", 10))
     d.admit("r1", 10)
     world.run()
-    assert d.outcome("r1").result.name == "LOADED"
+    assert d.outcome("r1").state.name == "KV_LOADED"
     d.finish("r1")
     world.run(2)
     assert p.num_free == p.pool.num_blocks and not p.connector.producer.has_leases

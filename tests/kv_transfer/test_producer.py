@@ -9,7 +9,7 @@ from harness import BLOCK_SIZE
 from pdserve.kv_transfer.messages import (HANDSHAKE_VERSION, HandshakePayload, HandshakeRequest, Heartbeat, HeartbeatAck,
                                           LeaseAnswer, Notification, NotificationKind,
                                           ReceivedNotification, Release, ReleaseAck)
-from pdserve.kv_transfer.outcomes import LoadResult
+from pdserve.kv_transfer.transfer_state import TransferState
 from pdserve.kv_transfer.params import KVTransferParams, prompt_hash
 
 
@@ -42,7 +42,7 @@ def test_duplicate_notifications_cannot_free_a_lease_early(world):
     world.fabric.duplicate_notifications = True
     d.admit("r1", 9)
     world.run()
-    assert d.outcome("r1").result == LoadResult.LOADED
+    assert d.outcome("r1").state == TransferState.KV_LOADED
     d.finish("r1")
     world.run(2)
     assert p.pool.num_free_blocks == p.pool.num_blocks

@@ -11,8 +11,9 @@ import pytest
 
 from harness import BLOCK_SIZE, expected_kv
 from pdserve.engine.request import Request
-from pdserve.kv_transfer.outcomes import LoadResult, RemotePull
+from pdserve.kv_transfer.outcomes import RemotePull
 from pdserve.kv_transfer.params import Holder
+from pdserve.kv_transfer.transfer_state import TransferState
 from pdserve.kv_transfer.producer import CLAIM_WAIT_S
 from pdserve.prefix_cache.hashing import extra_keys, hash_blocks
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
@@ -40,7 +41,7 @@ def pull(world, p, holders, tokens=HISTORY, rid="r1") -> list[int]:
     blocks = p.pool.allocate(len(tokens) // BLOCK_SIZE)
     p.blocks[rid] = blocks
     spec = RemotePull(rid, blocks, digests(tokens), tuple(Holder.parse(h.connector.holder(), "h") for h in holders))
-    p.apply(p.connector.start_loads([], [spec]))
+    p.step(pulls=[spec])  # the step whose scheduler admitted the pull
     return blocks
 
 
@@ -55,7 +56,7 @@ def test_a_producer_reads_the_blocks_a_holder_caches(world, p_tp, d_tp):
     pull(world, p, [d])
     world.run(8)
     o = p.outcome("r1")
-    assert o.result == LoadResult.LOADED and o.num_blocks == 4
+    assert o.state == TransferState.KV_LOADED and o.num_blocks == 4
     np.testing.assert_array_equal(p.kv("r1", 16), expected_kv(9, 4, 16))
     assert p.connector.consumer.counter_values()["kv_blocks_pulled"] == 4
     world.run(2)
@@ -70,7 +71,7 @@ def test_only_the_leading_run_the_holder_caches_is_read(world):
     pull(world, p, [d])
     world.run(8)
     o = p.outcome("r1")
-    assert o.result == LoadResult.LOADED and o.num_blocks == 2
+    assert o.state == TransferState.KV_LOADED and o.num_blocks == 2
     np.testing.assert_array_equal(p.kv("r1", 8), expected_kv(9, 4, 8))
 
 
@@ -79,7 +80,7 @@ def test_a_holder_with_nothing_means_computing_it(world):
     p = world.instance("P")
     pull(world, p, [d])
     world.run(4)
-    assert p.outcome("r1").result == LoadResult.RECOMPUTE
+    assert p.outcome("r1").state == TransferState.RECOMPUTING
     assert_holder_idle(d)
 
 
@@ -90,9 +91,9 @@ def test_the_next_holder_is_asked_when_the_first_has_nothing_or_is_gone(world):
     gone.connector.producer.server.close()  # its side channel answers nothing
     p = world.instance("P")
     pull(world, p, [gone, empty, full])
-    world.run(8, advance_s=1.0)
+    world.run(16, advance_s=0.5)  # each holder answers within the claim wait (pin, then grant, a step later)
     o = p.outcome("r1")
-    assert o.result == LoadResult.LOADED and o.num_blocks == 4
+    assert o.state == TransferState.KV_LOADED and o.num_blocks == 4
 
 
 def test_a_failed_pull_is_computed_never_failed_and_frees_the_holder(world):
@@ -101,7 +102,7 @@ def test_a_failed_pull_is_computed_never_failed_and_frees_the_holder(world):
     world.fabric.fail_reads = True
     pull(world, p, [d])
     world.run(8)
-    assert p.outcome("r1").result == LoadResult.RECOMPUTE
+    assert p.outcome("r1").state == TransferState.RECOMPUTING
     world.run(2)
     assert_holder_idle(d)
 
@@ -114,7 +115,7 @@ def test_a_holder_too_busy_to_answer_in_time_pins_nothing(world):
     world.clock.advance(CLAIM_WAIT_S + 0.1)
     world.network.pump()  # "nothing held" goes back
     p.step()
-    assert p.outcome("r1").result == LoadResult.RECOMPUTE
+    assert p.outcome("r1").state == TransferState.RECOMPUTING
     world.run(4)  # D's engine grants late: the grant nobody took is released at once
     assert_holder_idle(d)
 

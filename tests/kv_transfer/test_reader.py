@@ -7,7 +7,7 @@ import numpy as np
 
 from harness import BLOCK_SIZE, expected_kv
 from pdserve.kv_transfer.lanes import LANE_MIN_BYTES
-from pdserve.kv_transfer.outcomes import LoadResult
+from pdserve.kv_transfer.transfer_state import TransferState
 
 BIG = 8192  # tokens: 128 bytes of KV each, a READ of 1 MiB: split across two lanes
 
@@ -23,7 +23,7 @@ def test_a_read_split_across_lanes_lands_whole(world):
     d.receive("r1", p.prefill("p1", BIG, seed=4))
     d.admit("r1", BIG)
     world.run()
-    assert d.outcome("r1").result == LoadResult.LOADED
+    assert d.outcome("r1").state == TransferState.KV_LOADED
     np.testing.assert_array_equal(d.kv("r1", BIG), expected_kv(4, 4, BIG))
     reader = d.workers[0].reader
     assert world.fabric.num_reads == 2 and not reader.inflight  # one part per lane
@@ -42,7 +42,7 @@ def test_the_producer_hears_done_only_once_every_part_has_landed(world):
     assert p.connector.producer.leases._leases["p1"].received == set()  # no DONE yet
     world.fabric.land_hung()
     world.run(2)
-    assert d.outcome("r1").result == LoadResult.LOADED
+    assert d.outcome("r1").state == TransferState.KV_LOADED
     d.finish("r1")
     world.run(2)
     assert p.pool.num_free_blocks == p.pool.num_blocks
@@ -55,7 +55,7 @@ def test_a_lane_part_that_times_out_leaves_the_read_in_doubt(world):
     blocks = d.admit("r1", BIG)
     world.run(steps=5, advance_s=1.0)
     o = d.outcome("r1")
-    assert o.result == LoadResult.FAILED and o.quarantine_until is not None, o
+    assert o.state == TransferState.FAILED and o.quarantine_until is not None, o
     read_into = blocks[:-(-BIG // BLOCK_SIZE)]  # the first token's own block was never READ into
     assert set(read_into) == {b for _, q in d.pool.quarantine for b in q}
 

@@ -1,9 +1,10 @@
 """The engine of one instance: `add_request`, `step`, `abort`, driven by `LLM` or the server's loop.
 
 Engine process (the server runs it in one dedicated thread). A step is schedule -> execute on the TP
-ranks -> process the sampled tokens. The P/D connector adds its metadata to each step and decides
-what its timers, side-channel replies and the ranks' reports mean; the engine applies those
-decisions (`_apply`) to its scheduler and block pool (docs/design.md, "The connector seam").
+ranks -> process the sampled tokens -> one call to the P/D connector (what was admitted, what the
+ranks reported, what was pinned), whose one outcome the engine applies (`_apply`) to its scheduler
+and block pool, and whose metadata goes to the ranks with the next step (docs/design.md, "The
+connector seam").
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_events import KVEvents
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Request, RequestStatus, TransferState
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.health import Load
-from pdserve.kv_transfer.messages import Fingerprint
-from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadResult
+from pdserve.kv_transfer.messages import ConnectorMetadata, Fingerprint
+from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadOutcome, Pinned, StepIn
 from pdserve.kv_transfer.params import FirstToken, KVTransferParams
 from pdserve.kv_transfer.scheduler_side import NoConnector, SchedulerConnector
 from pdserve.model.loader import weight_format
@@ -36,7 +37,7 @@ from pdserve.prefix_cache.hashing import wire_hash
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.text.tokenizer import Tokenizer
 from pdserve.worker.executor import Executor
-from pdserve.worker.messages import StepInput
+from pdserve.worker.messages import StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 MAX_SALT_CHARS = 1024  # a cache_salt is hashed into every block of its request
@@ -72,10 +73,10 @@ class Engine:
         self.pool = BlockPool(self.num_blocks, config.cache.block_size,
                               config.cache.enable_prefix_caching, model_key=self.model_key())
         self.kv_events = KVEvents(config.kv_events, self.engine_id, self.pool)
-        self.executor = Executor(config, self.num_blocks, self.engine_id)
-        # Called from other threads when work arrives for the engine (a side-channel reply); the
-        # loop that drives the engine replaces it with a way to end its sleep.
+        # Called from other threads when work arrives for the engine (a side-channel reply, a rank's
+        # report); the loop that drives the engine replaces it with a way to end its sleep.
         self.wake: Callable[[], None] = lambda: None
+        self.executor = Executor(config, self.num_blocks, self.engine_id, wake=lambda: self.wake())
         self.connector = NoConnector()
         if config.kv_transfer is not None:
             self.connector = SchedulerConnector(config.kv_transfer, self.engine_id, self.fingerprint(),
@@ -84,6 +85,9 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.pool)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._pending: list[RequestOutput] = []  # produced outside a step (first tokens, failures)
+        self._metadata: ConnectorMetadata | None = None  # for the ranks, with the next step
+        self._pinned: list[Pinned] = []  # for the connector, with the next step
+        self._reschedule = False  # the last outcome may have made room for a queued request
         self._step_id = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
@@ -214,42 +218,31 @@ class Engine:
         return handoff.params if handoff else None
 
     def _apply(self, outcome: ConnectorOutcome) -> None:
-        """Carry out what the connector decided."""
+        """Carry out what the connector decided, in the order outcomes.py documents."""
         if outcome.free_blocks:
             self.pool.release(outcome.free_blocks)
         for until, block_ids in outcome.quarantine:
             self.pool.quarantine_blocks(block_ids, until)
         for o in outcome.loads:
             request = self.scheduler.requests.get(o.request_id)
-            if request is None:  # ended while the decision was on its way (an abort of a queued load)
-                continue
-            if o.quarantine_blocks:  # a READ may still land in them (never in shared cached blocks)
-                self.pool.quarantine_blocks(list(o.quarantine_blocks), o.quarantine_until)
-                in_doubt = set(o.quarantine_blocks)
-                request.block_ids = [b for b in request.block_ids if b not in in_doubt]
-            pull = request.transfer == TransferState.PRODUCING  # blocks a holder cached for it
-            if o.result == LoadResult.LOADED:
-                if pull:
-                    self.scheduler.remote_kv_pulled(request, o.num_blocks)
-                else:
-                    self.scheduler.remote_kv_loaded(request)
-            elif o.result == LoadResult.RECOMPUTE:
-                if pull:
-                    self.scheduler.pull_failed(request)
-                else:
-                    self.scheduler.recompute_locally(request)
-            elif o.result == LoadResult.ABORTED:
-                self._end(request, RequestStatus.FINISHED_ABORTED)
-            else:
-                self._end(request, RequestStatus.FINISHED_ERROR, o.message)
-
-    def _grant_claims(self) -> None:
-        """Other instances' producers claim prompt blocks this instance caches: pin the leading run
-        it holds (one reference each, under a lease the connector keeps)."""
-        for pending in self.connector.pending_claims():
-            blocks = self.pool.held_run(pending.claim.block_hashes)
+            if request is not None:  # else it ended while the decision was on its way
+                self._apply_load(request, o)
+        for pin in outcome.pins:  # another instance's producer claims blocks this one caches
+            blocks = self.pool.held_run(pin.block_hashes)
             self.pool.take(blocks)
-            self.connector.grant(pending, blocks)
+            self._pinned.append(Pinned(pin.claim_id, blocks))
+
+    def _apply_load(self, request: Request, o: LoadOutcome) -> None:
+        if o.quarantine_blocks:  # a READ may still land in them (never in shared cached blocks)
+            self.pool.quarantine_blocks(list(o.quarantine_blocks), o.quarantine_until)
+            in_doubt = set(o.quarantine_blocks)
+            request.block_ids = [b for b in request.block_ids if b not in in_doubt]
+        if o.state in (TransferState.KV_LOADED, TransferState.RECOMPUTING):
+            self.scheduler.load_ended(request, o.state, o.num_blocks)
+        elif o.state == TransferState.ABORTED:
+            self._end(request, RequestStatus.FINISHED_ABORTED)
+        else:
+            self._end(request, RequestStatus.FINISHED_ERROR, o.message)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
@@ -258,8 +251,10 @@ class Engine:
         """A step would advance something now (the server loop sleeps otherwise). Queued requests
         alone do not count: each new request gets a step when it arrives, and one that could not be
         admitted waits for blocks to come back, which happens in a step or at a timer, so an
-        overloaded engine does not spin."""
-        return bool(self._pending or self.scheduler.running) or self.connector.needs_step()
+        overloaded engine does not spin; an outcome that freed blocks or sent a request back to the
+        queue gets one. Ranks with a report to collect wake the loop."""
+        return bool(self._pending or self.scheduler.running or self._reschedule or self._metadata is not None
+                    or self._pinned or self.executor.reports_waiting) or self.connector.needs_step()
 
     def wakeup_in(self) -> float | None:
         """Seconds until a timer (the connector's, or quarantined blocks coming back) needs a step."""
@@ -273,20 +268,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         self.pool.release_quarantine(time.monotonic())
-        self._grant_claims()
-        self._apply(self.connector.tick())
         sched = self.scheduler.schedule()
-        self._apply(self.connector.start_loads(sched.remote_loads, sched.remote_pulls))
-        meta = self.connector.build_metadata()
-        if sched.is_empty and not sched.finished_request_ids and meta is None:
-            self.executor.check_ranks()  # an idle engine finds a dead rank too (raises)
-            return outputs + self._drain_pending()
-        self._step_id += 1
-        results = self.executor.execute(StepInput(
-            step_id=self._step_id, chunks=sched.chunks, new_requests=sched.new_requests,
-            finished_request_ids=sched.finished_request_ids, connector=meta))
-        self.scheduler.advance(sched)
-        for token in results[0].sampled:
+        results = self._execute(sched)
+        for token in results[0].sampled if results else ():
             request = self.scheduler.requests.get(token.request_id)
             if request is None or request.is_finished:
                 continue
@@ -297,8 +281,27 @@ class Engine:
             if status is not None:
                 out.kv_transfer_params = self._finish(request, status)
             outputs.append(out)
-        self._apply(self.connector.process_reports([r.connector for r in results]))
+        outcome, self._metadata = self.connector.step(StepIn(
+            sched.remote_loads, sched.remote_pulls, [r.connector for r in results], self._pinned))
+        self._pinned = []
+        self._apply(outcome)
+        self._reschedule = bool(outcome) and bool(self.scheduler.waiting)
         return outputs + self._drain_pending()
+
+    def _execute(self, sched: SchedulerOutput) -> list[StepOutput]:
+        """Run the step on the ranks with the connector's metadata; skipped (no reports) when they
+        have nothing to compute, hear or tell."""
+        meta, self._metadata = self._metadata, None
+        if sched.is_empty and not sched.finished_request_ids and meta is None \
+                and not self.executor.reports_waiting:
+            self.executor.check_ranks()  # an idle engine finds a dead rank too (raises)
+            return []
+        self._step_id += 1
+        results = self.executor.execute(StepInput(
+            step_id=self._step_id, chunks=sched.chunks, new_requests=sched.new_requests,
+            finished_request_ids=sched.finished_request_ids, connector=meta))
+        self.scheduler.advance(sched)
+        return results
 
     def _drain_pending(self) -> list[RequestOutput]:
         pending, self._pending = self._pending, []

@@ -1,5 +1,6 @@
 """A request inside the engine and its two lifecycles, each one enum with its legal transitions in
-one place: scheduling (`RequestStatus`) and its part in P/D (`TransferState`).
+one place: scheduling (`RequestStatus`, here) and its part in P/D (`TransferState`, shared with the
+connector's loads: kv_transfer/transfer_state.py).
 
 Engine process. The scheduler owns requests; a request owns its block ids until it finishes (or, on
 a P/D producer, until its prompt's blocks are handed to a lease by the connector).
@@ -11,6 +12,7 @@ import enum
 import time
 
 from pdserve.kv_transfer.params import KVTransferParams
+from pdserve.kv_transfer.transfer_state import TransferState, check_transition
 from pdserve.outputs import TokenLogprob
 from pdserve.sampling_params import SamplingParams
 
@@ -37,31 +39,6 @@ _TRANSITIONS = {
     RequestStatus.WAITING_FOR_REMOTE_KV: {RequestStatus.RUNNING, RequestStatus.WAITING} | _FINISHED,
     RequestStatus.RUNNING: {RequestStatus.PREEMPTED} | _FINISHED,
     RequestStatus.PREEMPTED: {RequestStatus.RUNNING} | _FINISHED,
-}
-
-
-class TransferState(enum.Enum):
-    """A request's part in P/D (docs/design.md, "Block lifecycle")."""
-
-    NONE = "none"  # served here from start to end
-    PRODUCING = "producing"  # prefill for a remote decode: hand off after the first token
-    HANDED_OFF = "handed_off"  # finished here; its prompt's blocks belong to a lease
-    AWAITING_KV = "awaiting_kv"  # decode: the prompt's KV comes from the producer
-    KV_LOADED = "kv_loaded"  # ... and has arrived
-    RECOMPUTING = "recomputing"  # ... could not be loaded: the prompt is prefilled here
-
-    @classmethod
-    def initial(cls, params: KVTransferParams | None) -> "TransferState":
-        if params is not None and params.do_remote_decode:
-            return cls.PRODUCING
-        if params is not None and params.do_remote_prefill:
-            return cls.AWAITING_KV
-        return cls.NONE
-
-
-_TRANSFER_TRANSITIONS = {
-    TransferState.PRODUCING: {TransferState.HANDED_OFF},
-    TransferState.AWAITING_KV: {TransferState.KV_LOADED, TransferState.RECOMPUTING},
 }
 
 
@@ -118,8 +95,9 @@ class Request:
         self.status = status
 
     def move_transfer_to(self, state: TransferState) -> None:
-        if state not in _TRANSFER_TRANSITIONS.get(self.transfer, ()):
-            raise AssertionError(f"request {self.request_id}: illegal {self.transfer} -> {state}")
+        """Only to the states the engine sees: HANDED_OFF, and how a load ended (KV_LOADED,
+        RECOMPUTING); the connector's load walks the rest."""
+        check_transition(f"request {self.request_id}", self.transfer, state)
         self.transfer = state
 
     def __repr__(self) -> str:

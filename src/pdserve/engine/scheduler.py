@@ -5,7 +5,7 @@ Engine process, once per step: `schedule` decides which tokens of which requests
 while budget, sequence slots and blocks last. When a running request needs a block and none is free,
 the most recently admitted running request is preempted (its blocks freed, recomputed later).
 P/D consumer requests are admitted to WAITING_FOR_REMOTE_KV: blocks allocated, never scheduled until
-the engine applies the connector's outcome for them (loaded, or recompute here).
+the engine applies how the connector says their load ended (`load_ended`: loaded, or recompute here).
 """
 
 from __future__ import annotations
@@ -263,37 +263,33 @@ class Scheduler:
         remote_pulls.append(RemotePull(request.request_id, list(new), hashes, request.kv_transfer.kv_holders))
         return True
 
-    def remote_kv_pulled(self, request: Request, num_blocks: int) -> None:
-        """A pull READ `num_blocks` of the blocks it asked for: the prefill goes on after them."""
+    # --- the end of a remote load (the engine applies the connector's outcome here) -----------------
+
+    def load_ended(self, request: Request, state: TransferState, num_blocks: int = 0) -> None:
+        """A remote load ended in KV_LOADED or RECOMPUTING (FAILED and ABORTED end the request). A
+        consumer runs from its first generated token, or prefills its prompt here; a producer's pull
+        goes on computing after the `num_blocks` it read, or computes them all."""
+        assert state in (TransferState.KV_LOADED, TransferState.RECOMPUTING), state
+        pull = request.transfer == TransferState.PRODUCING  # it stays a producer either way
+        if not pull:
+            request.move_transfer_to(state)
+        if state == TransferState.RECOMPUTING:
+            self._prefill_here(request)
+        elif pull:
+            self._run_from(request, request.num_computed_tokens + num_blocks * self.pool.block_size)
+        else:
+            self._run_from(request, request.num_prompt_tokens)
+
+    def _run_from(self, request: Request, num_computed_tokens: int) -> None:
         self.loading.remove(request)
-        request.num_computed_tokens += num_blocks * self.pool.block_size
+        request.num_computed_tokens = num_computed_tokens
         self.pool.cache_full_blocks(request)
         request.move_to(RequestStatus.RUNNING)
         self.running.append(request)
 
-    def pull_failed(self, request: Request) -> None:
-        """A pull got nothing (or failed): prefill the prompt here, first in line."""
-        if request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
-            return
-        self.loading.remove(request)
-        self.pool.release(request.block_ids)
-        request.block_ids = []
-        request.num_computed_tokens = 0
-        request.move_to(RequestStatus.WAITING)
-        self.waiting.appendleft(request)
-
-    def remote_kv_loaded(self, request: Request) -> None:
-        self.loading.remove(request)
-        request.move_transfer_to(TransferState.KV_LOADED)
-        request.num_computed_tokens = request.num_prompt_tokens
-        self.pool.cache_full_blocks(request)
-        request.move_to(RequestStatus.RUNNING)
-        self.running.append(request)
-
-    def recompute_locally(self, request: Request) -> None:
-        """Policy `recompute`: drop the (possibly partial) KV and prefill here, first in line (a
-        request still queued just stops waiting for remote KV)."""
-        request.move_transfer_to(TransferState.RECOMPUTING)
+    def _prefill_here(self, request: Request) -> None:
+        """Drop the (possibly partial) KV and prefill from the start, first in line (a request still
+        queued just stops waiting for remote KV)."""
         if request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             return
         self.loading.remove(request)

@@ -20,13 +20,14 @@ from typing import Callable
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.handshake import HandshakeReplied, PeerState, PeerTable, tp_mismatch
 from pdserve.kv_transfer.lease_keeper import HeartbeatReplied, LeaseKeeper
-from pdserve.kv_transfer.load import IN_FLIGHT, NOT_READING, Claims, Load, LoadState
+from pdserve.kv_transfer.load import Claims, Load
 from pdserve.kv_transfer.messages import (ConnectorReport, Fingerprint, HeartbeatAck, LeaseAnswer, PeerAgents,
                                           ReadFailure, ReadSpec)
-from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadOutcome, LoadResult, RemoteLoad, RemotePull
+from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadOutcome, RemoteLoad, RemotePull
 from pdserve.kv_transfer.params import Holder, KVTransferParams
 from pdserve.kv_transfer.pull import ClaimReplied, Puller
 from pdserve.kv_transfer.signing import verify
+from pdserve.kv_transfer.transfer_state import IN_FLIGHT, NOT_READING, TransferState
 from pdserve.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -104,9 +105,8 @@ class ConsumerSide:
         self.counters["kv_blocks_read_skipped"] += load.num_cached_blocks
         if load.num_cached_blocks == len(load.params.remote_block_ids):
             self._drop(load, "every block of the prompt is cached here")
-            self.outcome.loads.append(LoadOutcome(load.request_id, LoadResult.LOADED))
-            return
-        load.move_to(LoadState.WAITING_PEER)
+            return self._end(load, TransferState.KV_LOADED)
+        load.move_to(TransferState.WAITING_PEER)
         self._promote(load)
 
     def pull(self, spec: RemotePull) -> None:
@@ -122,8 +122,8 @@ class ConsumerSide:
         if load is None:
             return False
         if load.state in IN_FLIGHT:
-            if load.state == LoadState.READING:
-                load.move_to(LoadState.ABORTING)
+            if load.state == TransferState.READING:
+                load.move_to(TransferState.ABORTING)
             return True
         self._drop(load, "client aborted")
         return False
@@ -155,7 +155,7 @@ class ConsumerSide:
         for load in list(self.loads.values()):
             if load.state in IN_FLIGHT and now > load.reports_due:
                 self._finish(load, stalled=True)
-            elif load.state != LoadState.ABORTING and self.leases.due(load, now):
+            elif load.state != TransferState.ABORTING and self.leases.due(load, now):
                 due.setdefault(load.engine_id, []).append(load)
         for engine_id, loads in due.items():
             peer = self.peers.get(engine_id)
@@ -166,10 +166,10 @@ class ConsumerSide:
         """Peers the ranks must load or drop, and the READs to post now."""
         reads = []
         now = self.clock()
-        for load in [l for l in self.loads.values() if l.state == LoadState.READY]:
+        for load in [l for l in self.loads.values() if l.state == TransferState.READY]:
             p = load.params
             timeout = min(self.config.transfer_timeout_s, load.quarantine_s / 2)
-            load.move_to(LoadState.READING)
+            load.move_to(TransferState.READING)
             load.reports_due = now + timeout + REPORT_GRACE_S
             skip = load.num_cached_blocks
             reads.append(ReadSpec(load.request_id, p.remote_engine_id, p.remote_request_id,
@@ -217,11 +217,11 @@ class ConsumerSide:
     def _on_claim(self, event: ClaimReplied) -> None:
         load = self.puller.replied(event)
         if load is False:
-            self.outcome.loads.append(LoadOutcome(event.request_id, LoadResult.RECOMPUTE,
+            self.outcome.loads.append(LoadOutcome(event.request_id, TransferState.RECOMPUTING,
                                                   "no holder caches the prompt's blocks"))
         elif load is not None:  # a holder leased some: read them as a consumer reads a hand-off
             self.loads[load.request_id] = load
-            load.move_to(LoadState.WAITING_PEER)
+            load.move_to(TransferState.WAITING_PEER)
             p = load.params
             peer = self.peers.get(p.remote_engine_id) or self.peers.handshake(
                 p.remote_engine_id, p.remote_host, p.remote_port, p.producer_tp_size)
@@ -251,7 +251,7 @@ class ConsumerSide:
     def _promote(self, load: Load) -> None:
         """WAITING_PEER -> READY once the producer is verified and has acknowledged the lease."""
         peer = self.peers.get(load.engine_id)
-        if load.state != LoadState.WAITING_PEER or load.deadline is None \
+        if load.state != TransferState.WAITING_PEER or load.deadline is None \
                 or peer is None or peer.state != PeerState.READY:
             return
         pool_size = min((r.num_blocks for r in peer.agents.ranks), default=0)
@@ -259,13 +259,13 @@ class ConsumerSide:
         if too_big:
             return self._fail(load, f"kv_transfer_params.remote_block_ids {too_big[:4]} are beyond "
                                     f"the producer's pool ({pool_size} blocks)")
-        load.move_to(LoadState.READY)
+        load.move_to(TransferState.READY)
 
     def _finish(self, load: Load, stalled: bool = False) -> None:
         """Every rank reported (or, `stalled`, some never did within the READ timeout)."""
         del self.loads[load.request_id]
         failures = [r for r in load.results.values() if isinstance(r, ReadFailure)]
-        aborted = load.state == LoadState.ABORTING
+        aborted = load.state == TransferState.ABORTING
         if not failures and not stalled:
             done = list(load.results.values())
             self.counters["kv_transfers"] += 1
@@ -273,9 +273,8 @@ class ConsumerSide:
             self.transfers.append({"num_bytes": sum(d.num_bytes for d in done),
                                    "num_descriptors": sum(d.num_descriptors for d in done),
                                    "duration_s": max(d.duration_s for d in done)})
-            result = LoadResult.ABORTED if aborted else LoadResult.LOADED
-            self.outcome.loads.append(LoadOutcome(load.request_id, result, num_blocks=len(load.read_block_ids)))
-            return
+            state = TransferState.ABORTED if aborted else TransferState.KV_LOADED
+            return self._end(load, state, num_blocks=len(load.read_block_ids))
         self.counters["nixl_num_failed_transfers"] += 1
         reasons = "; ".join(sorted({f.reason for f in failures}) or ["some ranks never reported their READ"])
         if stalled or any(f.peer_gone for f in failures):
@@ -285,8 +284,8 @@ class ConsumerSide:
             until = self.clock() + 2 * self.config.transfer_timeout_s
         self.leases.release(load, "client aborted" if aborted else reasons)
         if aborted:
-            self.outcome.loads.append(LoadOutcome(load.request_id, LoadResult.ABORTED, quarantine_until=until,
-                                                  quarantine_blocks=tuple(load.read_block_ids)))
+            self._end(load, TransferState.ABORTED, quarantine_until=until,
+                      quarantine_blocks=tuple(load.read_block_ids))
         else:
             self._decide(load, f"KV transfer from producer {load.engine_id} failed: {reasons}", until)
 
@@ -301,9 +300,16 @@ class ConsumerSide:
         a pull: the producer computes what it could not read)."""
         recompute = self.config.failure_policy == "recompute" or load.pull
         logger.warning("%s: %s%s", load.request_id, message, "; recomputing the prompt locally" * recompute)
-        result = LoadResult.RECOMPUTE if recompute else LoadResult.FAILED
         in_doubt = tuple(load.read_block_ids) if quarantine_until is not None else ()
-        self.outcome.loads.append(LoadOutcome(load.request_id, result, message, quarantine_until, in_doubt))
+        self._end(load, TransferState.RECOMPUTING if recompute else TransferState.FAILED, message,
+                  quarantine_until, in_doubt)
+
+    def _end(self, load: Load, state: TransferState, message: str = "", quarantine_until: float | None = None,
+             quarantine_blocks: tuple[int, ...] = (), num_blocks: int = 0) -> None:
+        """The load is over (it has left `loads`): its final state goes to the engine."""
+        load.move_to(state)
+        self.outcome.loads.append(LoadOutcome(load.request_id, state, message, quarantine_until,
+                                              quarantine_blocks, num_blocks))
 
     def _fail_waiting(self, engine_id: str, reason: str) -> None:
         """Forget a producer (the next request naming it handshakes again). Its loads that are not
@@ -319,15 +325,17 @@ class ConsumerSide:
     # --- timers -----------------------------------------------------------------------------------
 
     @property
-    def has_ready(self) -> bool:
-        return not self._events.empty() or any(l.state == LoadState.READY for l in self.loads.values())
+    def has_events(self) -> bool:
+        """Side-channel replies wait for the engine thread."""
+        return not self._events.empty()
 
-    @property
-    def is_reading(self) -> bool:
-        return any(l.state in IN_FLIGHT for l in self.loads.values())
-
-    def next_heartbeat(self) -> float | None:
-        return self.leases.next_heartbeat(self.loads.values())
+    def next_timer(self) -> float | None:
+        """When a heartbeat is due, or the ranks' reports of a READ are (the READ then stalled);
+        a READ that ends is reported by its ranks without a timer."""
+        due = [l.reports_due for l in self.loads.values() if l.state in IN_FLIGHT]
+        heartbeat = self.leases.next_heartbeat([l for l in self.loads.values()  # those `tick` sends
+                                                 if l.state != TransferState.ABORTING and self.peers.get(l.engine_id)])
+        return min([*due, *([heartbeat] if heartbeat is not None else [])], default=None)
 
     def counter_values(self) -> dict:
         return {**self.counters, "kv_heartbeats": self.leases.num_heartbeats,

@@ -1,5 +1,6 @@
-"""One consumer request's remote KV load: its state (one enum, legal transitions in one place), what
-the consumer knows about the producer's lease for it, and the rule that params are used once.
+"""One consumer request's remote KV load: its progress (through `TransferState`, whose legal
+transitions live in transfer_state.py), what the consumer knows about the producer's lease for it,
+and the rule that params are used once.
 
 Engine process of a decode instance. A load lives from the moment the engine accepts the request's
 params (heartbeats keep the producer's lease from then on, queued or not) until its READ has ended
@@ -9,37 +10,19 @@ or the request has.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections import OrderedDict
 
 from pdserve.kv_transfer.messages import ReadDone, ReadFailure
 from pdserve.kv_transfer.params import KVTransferParams
+from pdserve.kv_transfer.transfer_state import TransferState, check_transition
 from pdserve.sampling_params import InvalidRequestError
-
-
-class LoadState(enum.Enum):
-    QUEUED = "queued"  # params accepted; the request waits for local blocks
-    WAITING_PEER = "waiting_peer"  # blocks allocated; handshake or first acknowledgement outstanding
-    READY = "ready"  # the next step posts the READ
-    READING = "reading"  # waiting for every rank's report
-    ABORTING = "aborting"  # the client left while reading: end once every rank has reported
-
-
-_TRANSITIONS = {
-    LoadState.QUEUED: {LoadState.WAITING_PEER},
-    LoadState.WAITING_PEER: {LoadState.READY},
-    LoadState.READY: {LoadState.READING},
-    LoadState.READING: {LoadState.ABORTING},
-}
-NOT_READING = (LoadState.QUEUED, LoadState.WAITING_PEER, LoadState.READY)  # can end at once
-IN_FLIGHT = (LoadState.READING, LoadState.ABORTING)  # a READ into the local blocks may be live
 
 
 @dataclasses.dataclass
 class Load:
     request_id: str
     params: KVTransferParams
-    state: LoadState = LoadState.QUEUED
+    state: TransferState = TransferState.AWAITING_KV
     block_ids: list[int] = dataclasses.field(default_factory=list)  # local, from admission
     num_cached_blocks: int = 0  # ... of which the first hold the prompt's KV here (never READ into)
     deadline: float | None = None  # monotonic; no READ may be posted after it
@@ -55,8 +38,8 @@ class Load:
     def engine_id(self) -> str:
         return self.params.remote_engine_id
 
-    def move_to(self, state: LoadState) -> None:
-        assert state in _TRANSITIONS.get(self.state, ()), f"{self.request_id}: {self.state} -> {state}"
+    def move_to(self, state: TransferState) -> None:
+        check_transition(f"load {self.request_id}", self.state, state)
         self.state = state
 
     @property

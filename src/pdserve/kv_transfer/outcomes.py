@@ -1,23 +1,19 @@
-"""What the scheduler-side connector decides, for the engine to apply (decide, then apply).
+"""The engine <-> connector seam, once per step: what the engine tells the connector (`StepIn`) and
+what the connector decides for the engine to apply (`ConnectorOutcome`): decide, then apply.
 
 Engine process. The connector never touches the engine, its scheduler or its block pool: it returns
 these records and the engine applies them, in this order: blocks to free, blocks to quarantine,
-then each load outcome (quarantining the request's own blocks first when they are in doubt).
+then each load outcome (quarantining the request's own blocks first when they are in doubt), then
+the pins claims ask for (their block ids go back in the next `StepIn`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 
+from pdserve.kv_transfer.messages import ConnectorReport
 from pdserve.kv_transfer.params import Holder
-
-
-class LoadResult(enum.Enum):
-    LOADED = "loaded"  # the KV arrived: the request runs from its first generated token
-    FAILED = "failed"  # the request ends with `message` (policy `fail`)
-    RECOMPUTE = "recompute"  # prefill locally instead (policy `recompute`)
-    ABORTED = "aborted"  # the client left while READs were in flight; they have ended now
+from pdserve.kv_transfer.transfer_state import TransferState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,15 +39,46 @@ class RemotePull:
 
 
 @dataclasses.dataclass(frozen=True)
+class Pin:
+    """A producer of another instance claims blocks this one caches: take one reference on each
+    block of the leading run of `block_hashes` this instance holds, and name them in the next
+    step's `Pinned` (none held: an empty list)."""
+
+    claim_id: int
+    block_hashes: list[bytes]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pinned:
+    claim_id: int
+    block_ids: list[int]  # each with one reference taken for the claim (a lease owns it now)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepIn:
+    """What the engine tells the connector once per step, after the ranks ran: what its scheduler
+    admitted this step, each rank's report (empty when the ranks did not run), and the blocks it
+    pinned for the previous step's `Pin`s."""
+
+    loads: list[RemoteLoad] = ()
+    pulls: list[RemotePull] = ()
+    reports: list[ConnectorReport | None] = ()  # in rank order
+    pinned: list[Pinned] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class LoadOutcome:
     request_id: str
-    result: LoadResult
-    message: str = ""
+    state: TransferState  # how the load ended (`is_final`): KV_LOADED, RECOMPUTING, FAILED, ABORTED
+    message: str = ""  # FAILED: what the client is told
     # A READ may still land in these local blocks (the ones it wrote into, never a shared cached
     # block): keep them out of reuse until then.
     quarantine_until: float | None = None
     quarantine_blocks: tuple[int, ...] = ()
-    num_blocks: int = 0  # LOADED: how many blocks were READ (a pull may get fewer than it asked)
+    num_blocks: int = 0  # KV_LOADED: how many blocks were READ (a pull may get fewer than it asked)
+
+    def __post_init__(self):
+        assert self.state.is_final, f"{self.request_id}: a load does not end in {self.state}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +94,13 @@ class ConnectorOutcome:
     loads: list[LoadOutcome] = dataclasses.field(default_factory=list)
     free_blocks: list[int] = dataclasses.field(default_factory=list)  # leases that ended: free now
     quarantine: list[tuple[float, list[int]]] = dataclasses.field(default_factory=list)  # (until, blocks)
+    pins: list[Pin] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.free_blocks or self.quarantine)
+        return bool(self.loads or self.free_blocks or self.quarantine or self.pins)
 
     def take(self) -> "ConnectorOutcome":
         """Everything collected so far; this buffer starts empty again."""
-        out = ConnectorOutcome(self.loads, self.free_blocks, self.quarantine)
-        self.loads, self.free_blocks, self.quarantine = [], [], []
+        out = ConnectorOutcome(self.loads, self.free_blocks, self.quarantine, self.pins)
+        self.loads, self.free_blocks, self.quarantine, self.pins = [], [], [], []
         return out

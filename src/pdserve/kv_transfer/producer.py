@@ -4,7 +4,8 @@ After its first token, a request marked `do_remote_decode` hands its prompt's bl
 answers with `kv_transfer_params` (docs/design.md, "Wire"), signed when the deployment has a secret
 (docs/security.md). Notifications count only with a valid MAC and from the bound consumer's agent. The side-channel listener serves
 handshakes, heartbeats, releases and claims (a producer of a later turn asking for the blocks this
-instance caches: the engine thread pins them under an unbound lease, `grant`). Leases that end (every expected read notified, or released)
+instance caches: the engine pins them, asked by a `Pin` outcome, and they go to an unbound lease when
+the next step says which it pinned). Leases that end (every expected read notified, or released)
 give their blocks back through the outcome buffer; expired ones a consumer bound send them to
 quarantine for twice the transfer timeout, so a READ posted just before expiry ends (or is abandoned
 by its reader) before the blocks can hold anyone else's KV.
@@ -13,6 +14,7 @@ by its reader) before the blocks can hold anyone else's KV.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import queue
 import time
@@ -24,7 +26,7 @@ from pdserve.kv_transfer.handshake import answer_handshake
 from pdserve.kv_transfer.leases import LeaseState, LeaseTable
 from pdserve.kv_transfer.messages import (Claim, ClaimReply, Fingerprint, HandshakeRequest, Heartbeat,
                                           HeartbeatAck, RankAgent, ReceivedNotification, Release, ReleaseAck)
-from pdserve.kv_transfer.outcomes import ConnectorOutcome, Handoff
+from pdserve.kv_transfer.outcomes import ConnectorOutcome, Handoff, Pin, Pinned
 from pdserve.kv_transfer.params import FirstToken, Holder, KVTransferParams, prompt_hash
 from pdserve.kv_transfer.pull import claim_params
 from pdserve.kv_transfer.signing import notification_mac_ok, sign, verify
@@ -33,7 +35,7 @@ from pdserve.transport.deferred import Deferred
 
 logger = logging.getLogger(__name__)
 
-CLAIM_WAIT_S = 1.0  # a claim the engine thread has not answered by then gets "nothing held"
+CLAIM_WAIT_S = 1.0  # a claim the engine has not pinned blocks for by then gets "nothing held"
 HOLDER_S = 3600.0  # how long the holder token /health offers stays valid
 
 
@@ -53,7 +55,9 @@ class ProducerSide:
         self.config = config
         self._wake = wake  # the engine loop's: a claim arrived
         self._caches = caches  # a glance at the engine's prefix cache from this thread (may be stale)
-        self._claims: queue.SimpleQueue[PendingClaim] = queue.SimpleQueue()
+        self._claims: queue.SimpleQueue[PendingClaim] = queue.SimpleQueue()  # from the side channel
+        self._pinning: dict[int, PendingClaim] = {}  # asked the engine to pin blocks for these
+        self._claim_ids = itertools.count()
         self.num_blocks_claimed = 0
         self._holder: Holder | None = None
         self.engine_id = engine_id
@@ -105,23 +109,25 @@ class ProducerSide:
             self._holder = holder
         return self._holder
 
-    def pending_claims(self) -> list[PendingClaim]:
-        """Claims that arrived since the last call (engine thread)."""
-        claims = []
-        while True:
-            try:
-                claims.append(self._claims.get_nowait())
-            except queue.Empty:
-                return claims
-
     @property
     def has_claims(self) -> bool:
         return not self._claims.empty()
 
-    def grant(self, pending: PendingClaim, block_ids: list[int]) -> None:
+    def _ask_pins(self) -> None:
+        """Claims that arrived since the last step: the engine alone may pin blocks in its pool."""
+        while True:
+            try:
+                pending = self._claims.get_nowait()
+            except queue.Empty:
+                return
+            claim_id = next(self._claim_ids)
+            self._pinning[claim_id] = pending
+            self.outcome.pins.append(Pin(claim_id, list(pending.claim.block_hashes)))
+
+    def _grant(self, pending: PendingClaim, block_ids: list[int]) -> None:
         """The engine pinned `block_ids` (one reference each) for a claim: they go to an unbound
         lease, as a hand-off's do, and the claimer gets their ids. A claim whose wait ran out
-        got "nothing held" instead: its lease is released at once (freed at the next tick)."""
+        got "nothing held" instead: its lease is released at once (and freed in this step)."""
         if not block_ids:
             pending.reply.resolve(ClaimReply("", [], len(self.rank_agents), self.config.lease_s))
             return
@@ -165,7 +171,11 @@ class ProducerSide:
                 logger.info("ignored notification %s from %s (consumer rank %d)",
                             note.producer_request_id, r.sender, note.consumer_rank)
 
-    def tick(self) -> None:
+    def tick(self, pinned: list[Pinned] = ()) -> None:
+        """Grant the claims the engine pinned blocks for, end the leases that are done, released or
+        expired, and ask for pins for the claims that arrived since the last step."""
+        for p in pinned:
+            self._grant(self._pinning.pop(p.claim_id), p.block_ids)
         now = self.clock()
         free, expired = self.leases.collect(now)
         for lease in free:
@@ -177,6 +187,7 @@ class ProducerSide:
             logger.warning("lease of %s expired before every read was notified; blocks "
                            "quarantined for %.0f s", lease.request_id, self.quarantine_s)
             self.outcome.quarantine.append((now + self.quarantine_s, lease.block_ids))
+        self._ask_pins()
 
     def next_deadline(self) -> float | None:
         return self.leases.next_deadline()
@@ -218,6 +229,8 @@ class ProducerSide:
         if isinstance(msg, Release):
             n = self.leases.release(msg.consumer_engine_id, msg.request_ids)
             logger.info("consumer %s released %d request(s): %s", msg.consumer_engine_id, n, msg.reason)
+            if n:
+                self._wake()  # the engine frees the blocks at its next step; it may be asleep
             return ReleaseAck(num_released=n)
         raise TypeError(f"unexpected side-channel message {type(msg).__name__}")
 

@@ -1,11 +1,12 @@
 """The scheduler side of the KV connector: the one object the engine talks to.
 
 Engine process. Composes the two roles (an instance can produce for one request and consume for
-another). The engine hands it plain values (request ids, params, block ids) and applies the typed
-outcomes it returns (outcomes.py) to its own scheduler and block pool; nothing here holds a handle
-to the engine. The TP ranks are reached only through per-step `ConnectorMetadata` down and
-`ConnectorReport`s up (docs/design.md, "The connector seam"). `NoConnector` is the same interface
-for an instance started without P/D.
+another). Per request the engine hands it plain values (request ids, params, block ids); once per
+step, after the ranks ran, one `step` call takes a `StepIn` (what was admitted, what the ranks
+reported, what the engine pinned) and returns one `ConnectorOutcome` for the engine to apply to its
+scheduler and block pool, and the `ConnectorMetadata` the ranks get with the next step (outcomes.py;
+docs/design.md, "The connector seam"). Nothing here holds a handle to the engine. `NoConnector` is
+the same interface for an instance started without P/D.
 """
 
 from __future__ import annotations
@@ -16,13 +17,10 @@ from typing import Callable
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.consumer import ConsumerSide
 from pdserve.kv_transfer.messages import ConnectorMetadata, ConnectorReport, Fingerprint, RankAgent
-from pdserve.kv_transfer.outcomes import ConnectorOutcome, Handoff, RemoteLoad, RemotePull
+from pdserve.kv_transfer.outcomes import ConnectorOutcome, Handoff, StepIn
 from pdserve.kv_transfer.params import FirstToken, KVTransferParams
-from pdserve.kv_transfer.producer import PendingClaim, ProducerSide
+from pdserve.kv_transfer.producer import ProducerSide
 from pdserve.sampling_params import InvalidRequestError
-
-POLL_S = 0.001  # step cadence while READs are in flight (their completion reports come up per step)
-LEASE_POLL_S = 0.002  # while this instance holds leased blocks (ranks poll NIXL every 1 ms themselves)
 
 
 class SchedulerConnector:
@@ -56,22 +54,6 @@ class SchedulerConnector:
             self.consumer.add(request_id, params)
         elif params is not None and params.kv_holders:
             self.consumer.check_holders(params.kv_holders)
-
-    def start_loads(self, admitted: list[RemoteLoad], pulls: list[RemotePull] = ()) -> ConnectorOutcome:
-        """Consumer requests the scheduler just gave local blocks, and producer requests that pull
-        blocks from their holders."""
-        for load in admitted:
-            self.consumer.admit(load)
-        for pull in pulls:
-            self.consumer.pull(pull)
-        return self.outcome.take()
-
-    def pending_claims(self) -> list[PendingClaim]:
-        """Holders' side: claims for the engine to pin blocks for (`grant`)."""
-        return self.producer.pending_claims()
-
-    def grant(self, pending: PendingClaim, block_ids: list[int]) -> None:
-        self.producer.grant(pending, block_ids)
 
     def holder(self) -> dict:
         """What this instance signs of itself for producers to claim blocks from it (/health)."""
@@ -107,23 +89,21 @@ class SchedulerConnector:
 
     # --- per step -------------------------------------------------------------------------------
 
-    def tick(self) -> ConnectorOutcome:
-        """Timers and side-channel replies; returns every decision made since the last call."""
-        self.producer.tick()
+    def step(self, step: StepIn) -> tuple[ConnectorOutcome, ConnectorMetadata | None]:
+        """Once per engine step, after the ranks ran: take what the scheduler admitted, what the
+        ranks reported and what the engine pinned, run timers and side-channel replies, and return
+        every decision made since the last call, with what the ranks must do next step (None:
+        nothing; they keep polling as last told)."""
+        for load in step.loads:
+            self.consumer.admit(load)
+        for pull in step.pulls:
+            self.consumer.pull(pull)
+        self._process_reports(step.reports)
+        self.producer.tick(step.pinned)
         self.consumer.tick()
-        return self.outcome.take()
+        return self.outcome.take(), self._metadata()
 
-    def build_metadata(self) -> ConnectorMetadata | None:
-        """None when the ranks have nothing to do and nothing to report (the step can be skipped)."""
-        peers, evict, reads = self.consumer.build()
-        polling = self.producer.has_leases
-        if not (peers or evict or reads or polling or self._ranks_polling or self.consumer.is_reading):
-            return None
-        self._ranks_polling = polling
-        return ConnectorMetadata(consumer_engine_id=self.engine_id, load_peers=peers,
-                                 evict_peers=evict, reads=reads, poll_notifications=polling)
-
-    def process_reports(self, reports: list[ConnectorReport | None]) -> ConnectorOutcome:
+    def _process_reports(self, reports: list[ConnectorReport | None]) -> None:
         reports = [r or ConnectorReport() for r in reports]
         for r in reports:
             for w in r.warnings:
@@ -131,18 +111,27 @@ class SchedulerConnector:
         self.producer.process_notifications([n for r in reports for n in r.notifications],
                                             sum(r.num_bad_notifications for r in reports))
         self.consumer.process(reports)
-        return self.outcome.take()
+
+    def _metadata(self) -> ConnectorMetadata | None:
+        """Peers to load or drop, READs to post, and whether to poll notifications when that
+        changed (the ranks keep the last value): None when the ranks have nothing new to do."""
+        peers, evict, reads = self.consumer.build()
+        polling = self.producer.has_leases
+        if not (peers or evict or reads or polling != self._ranks_polling):
+            return None
+        self._ranks_polling = polling
+        return ConnectorMetadata(consumer_engine_id=self.engine_id, load_peers=peers,
+                                 evict_peers=evict, reads=reads, poll_notifications=polling)
 
     def needs_step(self) -> bool:
-        return self.consumer.has_ready or bool(self.outcome) or self.producer.has_claims
+        """Side-channel replies or claims wait for the engine thread (they also wake it)."""
+        return self.consumer.has_events or self.producer.has_claims or bool(self.outcome)
 
     def wakeup_in(self, now: float) -> float | None:
-        """Seconds the engine loop may sleep before the connector needs a step (None: no timer)."""
-        if self.consumer.is_reading:
-            return POLL_S
-        if self.producer.has_leases:
-            return LEASE_POLL_S
-        timers = [t for t in (self.producer.next_deadline(), self.consumer.next_heartbeat()) if t is not None]
+        """Seconds the engine loop may sleep before a timer needs a step (None: no timer): a lease
+        expiring, a heartbeat due, a READ whose reports are overdue. Rank reports (a READ ended, a
+        notification came) and side-channel replies wake the loop themselves."""
+        timers = [t for t in (self.producer.next_deadline(), self.consumer.next_timer()) if t is not None]
         return max(0.0, min(timers) - now) if timers else None
 
     def stats(self, drain: bool) -> dict:
@@ -171,13 +160,6 @@ class NoConnector:
             raise InvalidRequestError("kv_transfer_params",
                                       "this instance was started without a KV transfer connector")
 
-    def start_loads(self, admitted: list[RemoteLoad], pulls: list[RemotePull] = ()) -> ConnectorOutcome:
-        assert not admitted and not pulls, "no request wants remote KV without a connector"
-        return ConnectorOutcome()
-
-    def pending_claims(self) -> list:
-        return []
-
     def holder(self) -> None:
         return None
 
@@ -203,14 +185,9 @@ class NoConnector:
 
     busy = False
 
-    def tick(self) -> ConnectorOutcome:
-        return ConnectorOutcome()
-
-    def build_metadata(self) -> None:
-        return None
-
-    def process_reports(self, reports) -> ConnectorOutcome:
-        return ConnectorOutcome()
+    def step(self, step: StepIn) -> tuple[ConnectorOutcome, None]:
+        assert not step.loads and not step.pulls, "no request wants remote KV without a connector"
+        return ConnectorOutcome(), None
 
     def needs_step(self) -> bool:
         return False
