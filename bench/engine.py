@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve.bench.machine import busy_cores  # noqa: E402
 from pdserve.cli import ensure_model  # noqa: E402
 
 PREFILL_LEN = 2048
@@ -124,9 +125,9 @@ def smollm2_file() -> str:
 
 def formats(prompt_len: int = 128, new_tokens: int = 32) -> dict:
     """Each weight format of SmolLM2 on one thread: decode tok/s at batch 1 and 32, weight bytes."""
-    path, bw = smollm2_file(), read_gbps(1)
+    path, busy, bw = smollm2_file(), busy_cores(), read_gbps(1)
     table = {"model": Path(path).name, "threads": 1, "read_gbps": round(bw, 2), "prompt_tokens": prompt_len,
-             "new_tokens": new_tokens}
+             "new_tokens": new_tokens, "busy_cores_before": busy}
     for name, kw in FORMATS.items():
         llm = LLM(path, num_threads=1, num_blocks=2048, max_num_seqs=64, **kw)
         vocab = llm.engine.spec.vocab_size
@@ -161,12 +162,13 @@ def print_formats(table: dict) -> None:
 def small_model(model: str | None, threads: int) -> dict:
     model_dir = ensure_model(model, "small")
     torch.set_num_threads(threads)
-    bw = read_gbps(threads)
+    busy, bw = busy_cores(), read_gbps(threads)
     llm = LLM(model_dir, num_threads=threads, num_blocks=4096, max_num_seqs=64,
               max_num_batched_tokens=2048, dtype="float32")
     vocab = llm.engine.spec.vocab_size
     pdserve_decode(llm, 1, vocab, 16, 4)  # warm-up
-    results = {"model": model_dir, "read_gbps": round(bw, 2), "threads": threads, "decode": {}}
+    results = {"model": model_dir, "read_gbps": round(bw, 2), "threads": threads, "busy_cores_before": busy,
+               "decode": {}}
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for context, (prompt_len, new_tokens) in CONTEXTS.items():

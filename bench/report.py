@@ -24,7 +24,7 @@ def load(name: str):
 def engine(r) -> list[str]:
     out = [f"**Engine** (`small`: 8 layers, hidden 512, float32; {r['threads']} threads; best of 3 "
            f"alternating runs; the bound reads at {r['read_gbps']} GB/s, measured with the engine's "
-           f"threads streaming reads):", "",
+           f"threads streaming reads){shared(r)}:", "",
            "| context (prompt + new) | batch | pdserve tok/s | transformers tok/s | ratio | bandwidth bound tok/s | of bound |",
            "|---|---|---|---|---|---|---|"]
     for context, table in r["decode"].items():
@@ -45,9 +45,18 @@ def engine(r) -> list[str]:
     return out
 
 
+def shared(r) -> str:
+    """What else ran on the machine, when the run recorded it."""
+    if r.get("note"):
+        return f"; {r['note']}"
+    busy = r.get("busy_cores_before")
+    return f"; {busy:.1f} cores busy with other work when it started" if busy else ""
+
+
 def formats(f) -> list[str]:
     out = [f"**Weight formats** ({f['model']}, one thread, {f['prompt_tokens']}-token prompts, "
-           f"{f['new_tokens']} new, best of 2; the bound reads the format's bytes at {f['read_gbps']} GB/s):",
+           f"{f['new_tokens']} new, best of 2; the bound reads the format's bytes at {f['read_gbps']} GB/s"
+           f"{shared(f)}):",
            "", "| weights | memory MiB (× float32) | batch 1 tok/s (× float32, of bound) | "
            "batch 32 tok/s (× float32, of bound) |", "|---|---|---|---|"]
     for name in ("float32", "bfloat16", "int8", "int4"):
