@@ -1,6 +1,6 @@
 """Quantized weights: int8/int4 layers on torch's kernels compute what their weights say, stay
 quantized in memory, shard for TP like float ones (TP 2 logits equal TP 1's), and int8 keeps the
-generated model's perplexity close to float32's."""
+generated model's perplexity close to float32's (as does bfloat16)."""
 
 from __future__ import annotations
 
@@ -86,10 +86,11 @@ def prose_ids(tiny_model) -> list[int]:
     return Tokenizer(tiny_model).encode(TEXT.read_text())[:1024]
 
 
-def test_int8_keeps_the_generated_models_perplexity(tiny_model, prose_ids):
+@pytest.mark.parametrize("dtype, quantization", [("float32", "int8"), ("bfloat16", "none")])
+def test_the_generated_models_perplexity_stays_near_float32s(tiny_model, prose_ids, dtype, quantization):
     from pdserve.bench.quality import Scorer, agreement
     full = Scorer(tiny_model, window=256).score(prose_ids)
-    int8 = Scorer(tiny_model, quantization="int8", window=256).score(prose_ids)
-    assert full.num_tokens == int8.num_tokens == len(prose_ids) - 1
-    assert abs(int8.perplexity / full.perplexity - 1) < 0.05
-    assert agreement(int8, full) > 0.9
+    other = Scorer(tiny_model, dtype=dtype, quantization=quantization, window=256).score(prose_ids)
+    assert full.num_tokens == other.num_tokens == len(prose_ids) - 1
+    assert abs(other.perplexity / full.perplexity - 1) < 0.05
+    assert agreement(other, full) > 0.9
