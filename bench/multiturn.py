@@ -83,12 +83,39 @@ def checkout(ref: str, parent: Path) -> tuple[dict, dict]:
                  "uncommitted_files": len(dirty)}
 
 
+def usage(env: dict, command: str) -> str:
+    return subprocess.run([sys.executable, "-m", "pdserve.cli", command, "--help"], env={**os.environ, **env},
+                          capture_output=True, text=True).stdout
+
+
 def proxy_args(env: dict) -> list[str]:
     """Every turn through P/D: a proxy that routes by cache (issue 21, `--routing kv-aware`, its
     default) prefills a turn decode lacks little of on decode itself, which is not this workload."""
-    usage = subprocess.run([sys.executable, "-m", "pdserve.cli", "proxy", "--help"], env={**os.environ, **env},
-                           capture_output=True, text=True).stdout
-    return ["--routing", "least-loaded"] if "--routing" in usage else []
+    return ["--routing", "least-loaded"] if "--routing" in usage(env, "proxy") else []
+
+
+def drop_unknown_flags(dep: Deployment, env: dict) -> list[str]:
+    """This checkout's launcher adds flags older code lacks (KV events, the proxy's tokenizer):
+    drop each flag (and its value) the code under test does not know; returns what was dropped."""
+    dropped = []
+
+    def keep(args: list[str], known: str) -> list[str]:
+        out, i = [], 0
+        while i < len(args):
+            if args[i].startswith("--") and f"{args[i].split('=')[0]} " not in known + " ":
+                value = i + 1 < len(args) and not args[i + 1].startswith("--") and "=" not in args[i]
+                dropped.append(" ".join(args[i:i + 1 + value]))
+                i += 1 + value
+            else:
+                out.append(args[i])
+                i += 1
+        return out
+    serve = usage(env, "serve").replace("\n", " ").replace(",", " ").replace("]", " ")
+    for inst in dep.instances:
+        inst.args = keep(inst.args, serve)
+    proxy = usage(env, "proxy").replace("\n", " ").replace(",", " ").replace("]", " ")
+    dep.proxy_args = keep(dep.proxy_args, proxy)
+    return sorted(set(dropped))
 
 
 def remove_worktrees(parent: Path) -> None:
@@ -224,10 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         for code in codes:
             for mode in ("a", "b") if code == "old" else ("a",):
                 role_args = {"prefill": ["--no-prefix-caching"]} if mode == "b" else None
-                deps[code, mode] = Deployment(model, [1], [1], instance_args=ARGS, prefill_cpus=[(0,)],
-                                              decode_cpus=[(1,)], log_dir=str(tmp / "logs"),
-                                              env=envs[code], role_args=role_args,
-                                              proxy_args=results["code"][code]["proxy_args"]).start()
+                dep = Deployment(model, [1], [1], instance_args=ARGS, prefill_cpus=[(0,)], decode_cpus=[(1,)],
+                                 log_dir=str(tmp / "logs"), env=envs[code], role_args=role_args,
+                                 proxy_args=results["code"][code]["proxy_args"])
+                results["code"][code]["flags_dropped"] = drop_unknown_flags(dep, envs[code])
+                deps[code, mode] = dep.start()
         if "new" in codes:
             deps["new", "b"] = deps["new", "a"]
         colo = Instance("colocated", ["serve", model, "--port", "0", "--num-threads", "1", "--cpus", "0",
