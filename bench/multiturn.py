@@ -88,10 +88,11 @@ def usage(env: dict, command: str) -> str:
                           capture_output=True, text=True).stdout
 
 
-def proxy_args(env: dict) -> list[str]:
-    """Every turn through P/D: a proxy that routes by cache (issue 21, `--routing kv-aware`, its
-    default) prefills a turn decode lacks little of on decode itself, which is not this workload."""
-    return ["--routing", "least-loaded"] if "--routing" in usage(env, "proxy") else []
+def proxy_args(env: dict, routing: str = "least-loaded") -> list[str]:
+    """By default every turn goes through P/D: a proxy routing by cache (`--routing kv-aware`, its
+    default) prefills a turn decode lacks little of on decode itself (`--routing kv-aware` here
+    measures that: what a deployment with pdserve's defaults does)."""
+    return ["--routing", routing] if "--routing" in usage(env, "proxy") else []
 
 
 def drop_unknown_flags(dep: Deployment, env: dict) -> list[str]:
@@ -224,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-ref", default="HEAD", help="git ref of the new code, or `installed`")
     ap.add_argument("--old-ref", default="1eef903")
     ap.add_argument("--no-baseline", action="store_true", help="run the new code only")
+    ap.add_argument("--routing", default="least-loaded", choices=["least-loaded", "kv-aware"],
+                    help="the new code's proxy routing: least-loaded sends every turn through P/D; "
+                         "kv-aware (pdserve's default) prefills a turn on decode when decode holds its history")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "multiturn.json"))
     args = ap.parse_args(argv)
     if args.quick:
@@ -244,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         envs = {}
         for code, ref in codes.items():
             envs[code], results["code"][code] = checkout(ref, tmp)
-            results["code"][code]["proxy_args"] = proxy_args(envs[code])
+            results["code"][code]["proxy_args"] = proxy_args(envs[code], args.routing)
             info = results["code"][code]
             print(f"{code}: pdserve {info['commit']} (+{info['uncommitted_files']} uncommitted files) "
                   f"from {info['pdserve']}", flush=True)
