@@ -259,3 +259,19 @@ def test_a_short_gap_is_computed_not_pulled():
     out = s.schedule()
     assert not out.remote_pulls and out.chunks[0].request_id == "p"
 
+
+
+def test_a_pull_counts_its_prompt_once_and_what_it_read_as_hits():
+    s = _pull_scheduler()
+    r = _producer("p", PROMPT + [1])
+    s.add(r)
+    s.schedule()
+    assert s.num_prefix_cache_queries == 17 and s.num_prefix_cache_hits == 0
+    s.load_ended(r, TransferState.KV_LOADED, num_blocks=2)  # found in the holder's cache
+    assert s.num_prefix_cache_hits == 2 * BLOCK_SIZE
+    r2 = _producer("q", [9] * 17)
+    s.add(r2)
+    s.schedule()
+    s.load_ended(r2, TransferState.RECOMPUTING)  # nobody held any: computed here, not asked again
+    s.schedule()
+    assert s.num_prefix_cache_queries == 34 and s.num_prefix_cache_hits == 2 * BLOCK_SIZE

@@ -189,7 +189,7 @@ class Scheduler:
             return False
         if request.status == RequestStatus.WAITING and not request.output_token_ids:
             request.num_cached_tokens = num_cached
-            if self.pool.enable_prefix_caching:
+            if self.pool.enable_prefix_caching and not request.pull_tried:  # a pull counted it
                 self.num_prefix_cache_queries += request.num_prompt_tokens
                 self.num_prefix_cache_hits += num_cached
         self.waiting.popleft()
@@ -275,7 +275,8 @@ class Scheduler:
             request.move_transfer_to(state)
         if state == TransferState.RECOMPUTING:
             self._prefill_here(request)
-        elif pull:
+        elif pull:  # what it read was found in another instance's cache: a hit too
+            self.num_prefix_cache_hits += num_blocks * self.pool.block_size * self.pool.enable_prefix_caching
             self._run_from(request, request.num_computed_tokens + num_blocks * self.pool.block_size)
         else:
             self._run_from(request, request.num_prompt_tokens)
