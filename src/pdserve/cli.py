@@ -69,6 +69,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     add_quantization_arg(p)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mock-engine", action="store_true",
+                   help="serve without computing: no weights are loaded, each step sleeps as long as the real "
+                        "engine's would on this machine, tokens are a fixed function of the context (routing "
+                        "at scale: many instances on two cores); everything else is real, KV transfers included")
+    p.add_argument("--mock-speedup", type=float, default=1.0, help="--mock-engine's steps this many times faster")
     p.add_argument("--num-blocks", type=int, default=None, help="fixed KV block count per rank")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV budget per rank")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -139,7 +144,7 @@ def engine_config(args) -> EngineConfig:
         rank_cpus = tuple(tuple(cpus[r * per:(r + 1) * per]) for r in range(tp))
     return EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
-        chat_template=args.chat_template,
+        chat_template=args.chat_template, mock_engine=args.mock_engine, mock_speedup=args.mock_speedup,
         num_threads=args.num_threads,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_gib=args.kv_cache_gib,
@@ -193,6 +198,10 @@ def _up(args) -> int:
     args.model = ensure_model(args.model)  # a GGUF file is converted once, here
     if args.routing:
         args.proxy_args += f" --routing {args.routing}"
+    if args.mock_engine:
+        args.instance_args += " --mock-engine"
+        if args.mock_speedup:
+            args.instance_args += f" --mock-speedup {args.mock_speedup}"
     if name:
         args.instance_args += f" --served-model-name {shlex.quote(name)}"
     if args.ray is not None:
@@ -331,6 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--proxy-args", default="", help="extra arguments for `pdserve proxy`")
     p.add_argument("--routing", default=None, choices=["round-robin", "least-loaded", "kv-aware"],
                    help="the proxy's routing (default kv-aware: `pdserve proxy --help`)")
+    p.add_argument("--mock-engine", action="store_true",
+                   help="every instance serves with `pdserve serve --mock-engine` (no weights; steps sleep as long "
+                        "as real ones): many instances on two cores")
+    p.add_argument("--mock-speedup", type=float, default=None, help="passed to every instance with --mock-engine")
     p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
                    help="place the instances on a Ray cluster (ADDRESS: its head, default RAY_ADDRESS or "
                         "the local one); the model path must exist on every node")

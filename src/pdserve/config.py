@@ -190,6 +190,8 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the checkpoint's context
     num_threads: int | None = None  # torch threads per rank; None = cores available / TP size
     chat_template: str | None = None  # a file or template text that wins over the checkpoint's
+    mock_engine: bool = False  # no weights: steps sleep as long as the real ones (worker/mock_runner.py)
+    mock_speedup: float = 1.0  # ... divided by this
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -197,6 +199,7 @@ class EngineConfig:
     kv_events: KVEventsConfig = dataclasses.field(default_factory=KVEventsConfig)
 
     def __post_init__(self):
+        _check(self.mock_speedup > 0, "mock_speedup", f"must be positive, got {self.mock_speedup}")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         _check(self.quantization in (None, "none", "int8", "int4"), "quantization",

@@ -95,7 +95,8 @@ class Engine:
     def fingerprint(self) -> Fingerprint:
         """What a P/D peer must share with this engine before one reads the other's cache."""
         spec = self.spec  # the weights' format rides in `model`: a peer's mismatch names both
-        model = f"{spec.fingerprint()}+weights={weight_format(self.config.model, self.config.quantization)}"
+        weights = "mock" if self.config.mock_engine else weight_format(self.config.model, self.config.quantization)
+        model = f"{spec.fingerprint()}+weights={weights}"  # a mock never pairs with a real engine
         return Fingerprint(model=model, dtype=str(self.dtype).replace("torch.", ""),
                            num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                            head_dim=spec.head_dim, block_size=self.config.cache.block_size)

@@ -25,11 +25,12 @@ import torch
 from pdserve.config import EngineConfig, KVTransferConfig
 from pdserve.heap import freeze_startup_heap
 from pdserve.model.loader import load_model
-from pdserve.model.parallel import TPGroup, make_group
+from pdserve.model.parallel import TPGroup, kv_head_range, make_group
 from pdserve.model.spec import ModelSpec, resolve_dtype
 from pdserve.worker.kv_cache import CacheLayout, KVCache
 from pdserve.worker.messages import (DebugCall, DebugResult, RankReady, Shutdown, StepInput,
                                      StepOutput)
+from pdserve.worker.mock_runner import MockRunner
 from pdserve.worker.model_runner import ModelRunner
 from pdserve.worker.sampler import Sampler
 
@@ -62,13 +63,15 @@ class Worker:
                                       config.parallel.dist_timeout_s, store)
         spec = ModelSpec.from_dir(config.model)
         dtype = resolve_dtype(config.dtype, spec)
-        self.model = load_model(config.model, spec, self.tp, dtype, config.quantization)
+        self.model = None if config.mock_engine else load_model(config.model, spec, self.tp, dtype,
+                                                                  config.quantization)
         layout = CacheLayout(
             num_layers=spec.num_layers, num_blocks=num_blocks,
-            num_kv_heads=self.model.layers[0].num_kv_heads, block_size=config.cache.block_size,
+            num_kv_heads=len(kv_head_range(rank, tp_size, spec.num_kv_heads)), block_size=config.cache.block_size,
             head_dim=spec.head_dim, dtype_bytes=torch.empty(0, dtype=dtype).element_size())
         self.kv_cache = KVCache(layout, dtype)
-        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.runner = MockRunner(self.kv_cache, spec.vocab_size, speedup=config.mock_speedup) \
+            if config.mock_engine else ModelRunner(self.model, self.kv_cache)
         self.sampler = Sampler(spec.vocab_size) if rank == 0 else None
         self.connector = None
         self.step_delay_s = 0.0  # a test hook (`/debug/step_delay`): every model step takes this longer
