@@ -15,8 +15,9 @@ layout of `F.linear` (12.1 vs 15.8 ms for 8 small-model layers at 32 rows).
 
 Quantized weights (quant.py) run on torch's own CPU kernels, `_weight_int8pack_mm` and
 `_weight_int4pack_mm_for_cpu`, with bfloat16 activations: with float32 ones this torch takes a
-scalar path, 9x (int8) and 30x (int4) slower than float32's MKL GEMM at one row, while with
-bfloat16 they beat it 2.6x and 3.9x (bench/results/quant_kernels.json).
+slow path, 4x (int8) and 8x (int4) slower than float32's MKL GEMM at one row and 30x and 59x at 32,
+while with bfloat16 they beat it 2.7x and 4.4x at one row, 1.9x and 2.2x at 32
+(bench/quant_kernels.py).
 """
 
 from __future__ import annotations
