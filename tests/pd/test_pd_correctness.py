@@ -23,7 +23,9 @@ MAX_TOKENS = 16
 def pd(request, tiny_model, tiny_kv1_model, tmp_path_factory):
     name, p_tp, d_tp = request.param
     model = tiny_model if name == "tiny" else tiny_kv1_model
-    dep = start_deployment(model, p_tp, d_tp, tmp_path_factory.mktemp(f"pd-{name}-{p_tp}{d_tp}"))
+    # every prompt through P/D (kv-aware routing would prefill a next turn on decode: test_kv_routing.py)
+    dep = start_deployment(model, p_tp, d_tp, tmp_path_factory.mktemp(f"pd-{name}-{p_tp}{d_tp}"),
+                           proxy_args=["--routing", "least-loaded"])
     dep.model, dep.p_tp, dep.d_tp = model, p_tp, d_tp
     yield dep
     dep.stop()
