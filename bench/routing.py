@@ -1,0 +1,154 @@
+"""Routing policies side by side on mock instances: a trace replayed through 4 producers and
+4 decode instances (`pdserve up --mock-engine`), under kv-aware, least-loaded and round-robin.
+
+    .venv/bin/python bench/routing.py [--rows 400] [--speedup 4] [--quick]
+
+The trace is Mooncake's format (timestamp, input_length, output_length, hash_ids, session_id),
+made here and written next to the results: conversations that share a few system prompts and whose
+turns carry their history (each turn appends its own hash ids), arriving over time with think time
+between turns. Each hash id is 64 tokens (`--trace-block-tokens 64`, 4 KV blocks); every instance
+holds a few percent of the trace's unique blocks (`--num-blocks`). Per policy: the prefix hit rate
+(prompt tokens no instance computed) beside what one LRU cache of all the instances' blocks would
+reach on the same requests, the busiest instance's share of prompt tokens against the mean in each
+pool, and TTFT p50/p90. Results: bench/results/routing.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from pdserve.cli import ensure_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+POLICIES = ("kv-aware", "least-loaded", "round-robin")
+BLOCK_TOKENS = 64  # tokens per trace hash id here
+NUM_BLOCKS = 160  # KV blocks per instance (16 tokens each)
+
+
+def make_trace(rows: int, seed: int) -> list[dict]:
+    """Conversations over a few shared system prompts; each turn = the history + 1-3 new hash ids."""
+    rng = random.Random(seed)
+    systems = [[1000 * s + i for i in range(rng.randint(2, 4))] for s in range(4)]
+    next_id, out, t = 10**6, [], 0.0
+    sessions = []
+    while len(out) < rows:
+        if not sessions or rng.random() < 0.35:  # a new conversation starts
+            sessions.append({"id": len(sessions), "ids": list(rng.choice(systems)), "turns": 0, "at": t})
+        s = rng.choice(sessions)
+        new = list(range(next_id, next_id + rng.randint(1, 3)))
+        next_id += len(new)
+        s["ids"] += new
+        s["turns"] += 1
+        s["at"] = max(s["at"], t) + rng.uniform(0.5, 3.0)  # think time
+        out.append({"timestamp": round(s["at"] * 1000), "input_length": len(s["ids"]) * 512,
+                    "output_length": rng.randint(16, 48) * 8, "hash_ids": list(s["ids"]),
+                    "session_id": s["id"]})
+        s["ids"] += [next_id]  # the answer joins the history
+        next_id += 1
+        if s["turns"] >= 8 or len(s["ids"]) > 14:
+            sessions.remove(s)
+        t += rng.expovariate(4.0)
+    out.sort(key=lambda r: r["timestamp"])
+    return out
+
+
+def metric_sum(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def run_policy(model: str, policy: str, trace: Path, args, work: Path) -> dict:
+    port_file = work / f"{policy}.port"
+    log_dir = work / policy
+    up = subprocess.Popen(
+        [*PDSERVE, "up", model, "--mock-engine", "--mock-speedup", str(args.speedup), "--prefill", "4",
+         "--decode", "4", "--routing", policy, "--port", "0", "--port-file", str(port_file),
+         "--log-dir", str(log_dir), "--instance-args", f"--num-blocks {NUM_BLOCKS} --max-num-seqs 16"],
+        stdout=subprocess.DEVNULL, stderr=open(work / f"{policy}.up.log", "w"), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not port_file.exists():
+            if up.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"pdserve up ({policy}) did not start: {work / f'{policy}.up.log'}")
+            time.sleep(0.5)
+        proxy = "http://127.0.0.1:%d" % json.loads(port_file.read_text())["port"]
+        health = json.loads(urllib.request.urlopen(proxy + "/health", timeout=30).read())
+        instances = {role: sorted(health[role]) for role in ("prefill", "decode")}
+        urls = instances["prefill"] + instances["decode"]
+        before = {u: metric_sum(u, "pdserve:prompt_tokens_total") for u in urls}
+        result = work / f"{policy}.json"
+        subprocess.run(
+            [*PDSERVE, "bench", "serve", "--base-url", proxy, "--dataset-name", "trace", "--dataset-path",
+             str(trace), "--trace-block-tokens", str(BLOCK_TOKENS), "--trace-time-scale", str(args.time_scale),
+             "--lru-bound-blocks", str(NUM_BLOCKS * len(urls)), "--save-result", "--result-dir", str(work),
+             "--result-filename", result.name,
+             "--disable-tqdm", *[x for u in urls for x in ("--metrics-url", u)]],
+            check=True, timeout=1800, stdout=subprocess.DEVNULL)
+        bench = json.loads(result.read_text())
+        tokens = {u: metric_sum(u, "pdserve:prompt_tokens_total") - before[u] for u in urls}
+        balance = {}
+        for role, members in instances.items():
+            loads = [tokens[u] for u in members]
+            balance[role] = round(max(loads) / (sum(loads) / len(loads)), 3) if sum(loads) else None
+        return {"policy": policy, "ttft_p50_ms": bench.get("median_ttft_ms"), "ttft_p90_ms": bench.get("p90_ttft_ms"),
+                "completed": bench.get("completed"), "failed": bench.get("failed"),
+                "prefix_hit_rate": bench.get("prefill_hit_rate"), "lru_bound_hit_rate": bench.get("lru_bound_hit_rate"),
+                "unbounded_cache_hit_rate": bench.get("unbounded_cache_hit_rate"),
+                "busiest_over_mean": balance, "prompt_tokens_by_instance": tokens}
+    finally:
+        os.killpg(up.pid, signal.SIGTERM)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=400)
+    p.add_argument("--speedup", type=float, default=4.0, help="--mock-speedup of every instance")
+    p.add_argument("--time-scale", type=float, default=1.0, help="--trace-time-scale")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="60 rows, kv-aware and least-loaded only")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "routing.json"))
+    args = p.parse_args()
+    rows = 60 if args.quick else args.rows
+    model = ensure_model(None)
+    work = Path(tempfile.mkdtemp(prefix="pdserve-routing-"))
+    trace = work / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in make_trace(rows, args.seed)))
+    results = [run_policy(model, policy, trace, args, work) for policy in
+               (POLICIES[:2] if args.quick else POLICIES)]
+    by = {r["policy"]: r for r in results}
+    kv, ll = by["kv-aware"], by["least-loaded"]
+    summary = {
+        "hit_rate_over_lru_bound": round(kv["prefix_hit_rate"] / kv["lru_bound_hit_rate"], 3)
+        if kv["prefix_hit_rate"] is not None and kv["lru_bound_hit_rate"] else None,
+        "kv_aware_busiest_over_mean": kv["busiest_over_mean"],
+        "ttft_p90_least_loaded_over_kv_aware": round(ll["ttft_p90_ms"] / kv["ttft_p90_ms"], 2)
+        if kv["ttft_p90_ms"] and ll["ttft_p90_ms"] else None}
+    out = {"rows": rows, "speedup": args.speedup, "time_scale": args.time_scale, "num_blocks_per_instance": NUM_BLOCKS,
+           "block_tokens_per_hash_id": BLOCK_TOKENS, "results": results, "summary": summary}
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    for r in results:
+        print(f"{r['policy']:13} hit rate {r['prefix_hit_rate']} (LRU bound {r['lru_bound_hit_rate']}), "
+              f"TTFT p50/p90 {r['ttft_p50_ms']}/{r['ttft_p90_ms']} ms, busiest/mean {r['busiest_over_mean']}")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
