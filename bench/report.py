@@ -11,6 +11,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report_reuse  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -210,6 +213,13 @@ def main() -> int:
                   "this says nothing of vLLM on GPUs. vLLM colocated is the fairer comparison here; beside "
                   "pdserve colocated it was level at 1 req/s and ahead at 2 req/s in the latest run (20 "
                   "prompts per rate: a few long prompts more or less move these numbers).", ""]
+    mt = load("multiturn")
+    if mt:
+        lines += report_reuse.multiturn(mt, load("multiturn_kv_aware")) + [""]
+    for name in ("pull_breakeven", "kv_events", "routing"):
+        data = load(name)
+        if data is not None:
+            lines += getattr(report_reuse, name)(data) + [""]
     idle, start = load("idle_cpu"), load("startup")
     if idle:
         lines.append(f"Idle 1P1D + proxy: {idle['percent_of_one_core']} % of one core over "

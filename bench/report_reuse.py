@@ -1,0 +1,64 @@
+"""README lines for the reuse and routing benchmarks (multiturn, pull_breakeven, kv_events, routing),
+called by bench/report.py."""
+
+from __future__ import annotations
+
+
+def multiturn(r: dict, kv_aware: dict | None) -> list[str]:
+    new, old = r["medians"]["new"], r["medians"]["old"]
+    ratio = r["ratios_new_over_old"]
+    t = r["turns"]
+    lines = [f"**Multi-turn reuse** (`bench/multiturn.py`, {r['conversations']} conversations of {t} turns through "
+             f"1P1D: a {r['system_tokens']}-token system prompt, {r['user_tokens']}-token turns and answers; every "
+             f"turn through P/D; `{r['code']['new']['commit']}` beside `{r['code']['old']['commit']}`, the code "
+             "before reuse, in the same run; medians):", "",
+             "| turn | TTFT ms new / old | blocks decode READ (of what it lacked) | prompt tokens the producer "
+             "computed new / old | with the producer's cache reset: TTFT ms new / old | ... tokens computed new "
+             "/ old (blocks pulled from decode) |", "|---|---|---|---|---|---|"]
+    for a, b, oa, ob in zip(new["a"], new["b"], old["a"], old["b"]):
+        lines.append(f"| {a['turn']} | {a['ttft_ms']:.0f} / {oa['ttft_ms']:.0f} | {a['decode_blocks_read']:.0f} "
+                     f"({a['decode_blocks_lacked']:.0f}) | {a['producer_prompt_tokens_computed']:.0f} / "
+                     f"{oa['producer_prompt_tokens_computed']:.0f} | {b['ttft_ms']:.0f} / {ob['ttft_ms']:.0f} | "
+                     f"{b['producer_prompt_tokens_computed']:.0f} / {ob['producer_prompt_tokens_computed']:.0f} "
+                     f"({b['producer_blocks_pulled']:.0f}) |")
+    lines += ["", f"Turn-{t} TTFT new ÷ old: {ratio['a'][f'turn{t}_ttft_ms']} (target ≤ 0.7), with the producer's "
+                  f"cache reset {ratio['b'][f'turn{t}_ttft_ms']} (target ≤ 0.3); turn 1, the same work in both "
+                  f"codes: {ratio['a']['turn1_ttft_ms']} and {ratio['b']['turn1_ttft_ms']}. Greedy answers equal a "
+                  f"colocated instance's: {'all' if not r['greedy_mismatches'] else 'not all'}."]
+    if kv_aware:
+        k = kv_aware["ratios_new_over_old"]
+        lines.append(f"With pdserve's default routing (`--routing kv-aware`: decode holds each turn's history and "
+                     f"prefills the rest itself), turn-{t} TTFT new ÷ old is {k['a'][f'turn{t}_ttft_ms']}, and "
+                     f"{k['b'][f'turn{t}_ttft_ms']} with the producer's cache reset.")
+    return lines
+
+
+def pull_breakeven(r: dict) -> list[str]:
+    cells = ", ".join(f"{row['pulled_tokens']} tokens {row['ttft_ms_pull']:.0f} vs {row['ttft_ms_compute']:.0f} ms"
+                      for row in r["rows"])
+    return [f"Pulling the history from decode against computing it (`bench/pull_breakeven.py`, second-turn TTFT, "
+            f"median of {r['repeats']}): {cells}; pulling wins from {r['breakeven_pulled_tokens']} tokens "
+            "(the producer's `--kv-pull-min-tokens` default is 64)."]
+
+
+def kv_events(r: dict) -> list[str]:
+    runs = "; ".join(f"{x['scenario']}: {x['batches_dropped']} of {x['batches_received']} batches lost, exact again "
+                     f"{x['time_to_exact_ms']} ms after the run ({x['snapshots']} snapshot(s))" for x in r["runs"])
+    return [f"KV events (`bench/kv_events.py`, {r['drop_fraction']:.0%} of batches dropped, evictions): {runs} "
+            f"(target: exact within {r['target_s']:g} s)."]
+
+
+def routing(r: dict) -> list[str]:
+    lines = [f"**Routing** (`bench/routing.py`, 4P4D `--mock-engine` ×{r['speedup']:g}, a {r['rows']}-request "
+             f"conversation trace, {r['num_blocks_per_instance']} blocks per instance):", "",
+             "| policy | prefix hit rate (one LRU cache of all blocks) | busiest ÷ mean, prefill / decode | TTFT p50 / "
+             "p90 ms |", "|---|---|---|---|"]
+    for x in r["results"]:
+        b = x["busiest_over_mean"]
+        lines.append(f"| {x['policy']} | {x['prefix_hit_rate']:.1%} ({x['lru_bound_hit_rate']:.1%}) | "
+                     f"{b['prefill']} / {b['decode']} | {x['ttft_p50_ms']:.0f} / {x['ttft_p90_ms']:.0f} |")
+    s = r["summary"]
+    lines += ["", f"kv-aware reaches {s['hit_rate_over_lru_bound']} of the LRU bound (target ≥ 0.9); busiest ÷ mean "
+                  f"{s['kv_aware_busiest_over_mean']} (target ≤ 1.15); least-loaded's TTFT p90 is "
+                  f"{s['ttft_p90_least_loaded_over_kv_aware']}× kv-aware's (target ≥ 2)."]
+    return lines
