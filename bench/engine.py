@@ -132,7 +132,8 @@ def formats(prompt_len: int = 128, new_tokens: int = 32) -> dict:
         llm = LLM(path, num_threads=1, num_blocks=2048, max_num_seqs=64, **kw)
         vocab = llm.engine.spec.vocab_size
         pdserve_decode(llm, 1, vocab, 16, 4)  # warm-up
-        row = {"weight_bytes": llm.engine.executor.local.model.weight_bytes()}
+        row = {"weight_bytes": llm.engine.executor.local.model.weight_bytes(),
+               "one_stream_tok_s": round(max(one_stream(llm) for _ in range(2)), 1)}
         for batch in (1, 32):
             tok_s = max(pdserve_decode(llm, batch, vocab, prompt_len, new_tokens) for _ in range(2))
             bound = batch / (step_bytes(llm, batch, prompt_len, new_tokens) / (bw * 1e9))
@@ -149,14 +150,30 @@ def formats(prompt_len: int = 128, new_tokens: int = 32) -> dict:
     return table
 
 
+def one_stream(llm: LLM, new_tokens: int = 128) -> float:
+    """bench/llamacpp_compare.py's measurement: its prompt, 128 greedy tokens, prefill excluded."""
+    from llamacpp_compare import NEW_TOKENS, PROMPT
+    ids = llm.tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS + 1, ignore_eos=True)
+    llm.engine.add_request("one-stream", ids, params)
+    while llm.engine.scheduler.requests["one-stream"].num_computed_tokens < len(ids):
+        llm.engine.step()
+    generated, t = 0, time.perf_counter()
+    while llm.engine.has_unfinished_requests():
+        generated += sum(len(o.new_token_ids) for o in llm.engine.step())
+    return generated / (time.perf_counter() - t)
+
+
 def print_formats(table: dict) -> None:
     print(f"{table['model']}, 1 thread, read bandwidth {table['read_gbps']} GB/s")
-    print("format   | weights MiB | vs f32 | b1 tok/s | vs f32 | of bound | b32 tok/s | vs f32 | of bound")
+    print("format   | weights MiB | vs f32 | b1 tok/s | vs f32 | of bound | b32 tok/s | vs f32 | of bound "
+          "| one stream")
     for name in FORMATS:
         r = table[name]
         print(f"{name:8} | {r['weight_bytes'] / 2**20:11.1f} | {r['weight_memory_vs_float32']:6} | "
               f"{r[1]['tok_s']:8} | {r[1]['vs_float32']:6} | {r[1]['fraction_of_bound']:8.0%} | "
-              f"{r[32]['tok_s']:9} | {r[32]['vs_float32']:6} | {r[32]['fraction_of_bound']:8.0%}")
+              f"{r[32]['tok_s']:9} | {r[32]['vs_float32']:6} | {r[32]['fraction_of_bound']:8.0%} | "
+              f"{r['one_stream_tok_s']}")
 
 
 def small_model(model: str | None, threads: int) -> dict:

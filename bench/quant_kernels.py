@@ -3,8 +3,9 @@ SmolLM2-135M's 120 projection shapes (30 layers of qkv, o, gate|up, down), one t
 
     .venv/bin/python bench/quant_kernels.py [--out bench/results/quant_kernels.json]
 
-Milliseconds for all 120 at 1 and 32 rows, best of 3: what chose bfloat16 activations for the
-quantized layers (model/linear.py). Random weights; the kernels' speed does not depend on values.
+Milliseconds for all 120 at 1 and 32 rows, best of 3: what chose bfloat16 activations for torch's
+kernels and pdserve's own int4 kernel over torch's (model/linear.py). Random weights; the kernels'
+speed does not depend on values.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def main() -> int:
     layers = {"float32 (MKL packed)": [Linear(w) for w in weights],
               "bfloat16 (oneDNN packed)": [Linear(w.bfloat16()) for w in weights],
               "int8, bfloat16 activations": [make_linear(q, torch.float32) for q in int8],
-              "int4, bfloat16 activations": [make_linear(q, torch.float32) for q in int4]}
+              "int4, pdserve's kernel (int8 activations)": [make_linear(q, torch.float32) for q in int4]}
     results = {"threads": 1, "layers": len(SHAPES), "ms": {}}
     for rows in (1, 32):
         xs = {k: torch.randn(rows, k, generator=g) for k in (576, 1536)}
@@ -68,6 +69,11 @@ def main() -> int:
                     for q in int8]
         int4_f32 = [functools.partial(torch.ops.aten._weight_int4pack_mm_for_cpu, mat2=p, qGroupSize=32,
                                       qScaleAndZeros=s) for p, s in zip(packed4, sz)]
+        sz16 = [x.to(torch.bfloat16) for x in sz]
+        int4_bf16 = [functools.partial(torch.ops.aten._weight_int4pack_mm_for_cpu, mat2=p, qGroupSize=32,
+                                       qScaleAndZeros=s) for p, s in zip(packed4, sz16)]
+        row["int4, torch's kernel, bfloat16 activations"] = best_ms(functools.partial(
+            run, int4_bf16, [x.to(torch.bfloat16) for x in inputs]))
         row["int8, float32 activations"] = best_ms(functools.partial(run, int8_f32, inputs), 1)
         row["int4, float32 activations"] = best_ms(functools.partial(run, int4_f32, inputs), 1)
         print(rows, json.dumps(row), flush=True)

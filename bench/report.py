@@ -67,6 +67,12 @@ def formats(f) -> list[str]:
         cells = [f"{d[b]['tok_s']} ({d[b]['vs_float32']}×, {d[b]['fraction_of_bound']:.0%})" for b in ("1", "32")]
         out.append(f"| {name} | {d['weight_bytes'] / 2**20:.1f} ({d['weight_memory_vs_float32']}×) | "
                    f"{cells[0]} | {cells[1]} |")
+    cpp = load("llama_cpp")
+    if cpp and "one_stream_tok_s" in f["int4"]:
+        streams = ", ".join(f"{name} {f[name]['one_stream_tok_s']}" for name in ("float32", "bfloat16", "int8", "int4"))
+        out += ["", f"One stream as `bench/llamacpp_compare.py` runs it ({cpp['prompt_tokens']}-token prompt, "
+                    f"{cpp['new_tokens']} greedy tokens, one thread, same file): llama.cpp (llama-cpp-python "
+                    f"{cpp['llama_cpp_python']}, built for this CPU) {cpp['decode_tok_s']} tok/s; pdserve {streams}."]
     return out
 
 

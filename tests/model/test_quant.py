@@ -31,10 +31,12 @@ def test_quantized_layers_compute_their_weights_product(fmt, layer, out_features
     q = quantize(w, fmt)
     lin = make_linear(q, torch.float32)
     assert isinstance(lin, layer)
+    if fmt == "int4":  # this machine has AVX512-VNNI: kernels/int4_linear.c, not torch's kernel
+        assert lin.native
     y = lin(x)
     assert y.shape == (rows, out_features) and y.dtype == torch.float32
-    # bfloat16 activations: ~0.4 % per element; what the weights say, not the float weights
-    assert relative_error(y, x @ q.dequantize().t()) < 0.01
+    # activations rounded (bfloat16, or int8 per 32 in the native int4 kernel): what the weights say
+    assert relative_error(y, x @ q.dequantize().t()) < 0.015
     assert relative_error(y, x @ w.t()) < (0.02 if fmt == "int8" else 0.15)
     if fmt == "int8":  # a byte per weight and a bfloat16 scale per row
         assert weight_bytes(lin) == out_features * (in_features + 2)

@@ -1,7 +1,7 @@
 """llama.cpp beside pdserve on the same GGUF file and thread count: decode tok/s of one stream.
 
     python -m venv /tmp/llama && /tmp/llama/bin/pip install llama-cpp-python    # builds llama.cpp
-    /tmp/llama/bin/python bench/llama_cpp.py [GGUF] [--out bench/results/llama_cpp.json]
+    /tmp/llama/bin/python bench/llamacpp_compare.py [GGUF] [--out bench/results/llama_cpp.json]
 
 Runs in its own venv (llama-cpp-python is no dependency of pdserve) and imports nothing from it. One
 thread, greedy, the prompt evaluated first, then 128 new tokens timed from the first one on (prefill
