@@ -31,17 +31,16 @@ def test_quantized_layers_compute_their_weights_product(fmt, layer, out_features
     q = quantize(w, fmt)
     lin = make_linear(q, torch.float32)
     assert isinstance(lin, layer)
-    if fmt == "int4":  # this machine has AVX512-VNNI: kernels/int4_linear.c, not torch's kernel
-        assert lin.native
+    assert lin.native  # this machine has AVX512-VNNI: kernels/int4_linear.c, not torch's kernels
     y = lin(x)
     assert y.shape == (rows, out_features) and y.dtype == torch.float32
     # activations rounded (bfloat16, or int8 per 32 in the native int4 kernel): what the weights say
     assert relative_error(y, x @ q.dequantize().t()) < 0.015
     assert relative_error(y, x @ w.t()) < (0.02 if fmt == "int8" else 0.15)
-    if fmt == "int8":  # a byte per weight and a bfloat16 scale per row
-        assert weight_bytes(lin) == out_features * (in_features + 2)
-    else:  # half a byte per weight, a bfloat16 scale and zero per 32 (rows padded to sixteens)
-        rows16 = -(-out_features // 16) * 16
+    rows16 = -(-out_features // 16) * 16  # rows padded to sixteens, one per vector lane
+    if fmt == "int8":  # a byte per weight and a float32 scale per row
+        assert weight_bytes(lin) == rows16 * (in_features + 4)
+    else:  # half a byte per weight, a float16 scale and zero per 32
         assert weight_bytes(lin) == rows16 * (in_features // 2 + in_features // 32 * 4)
 
 
@@ -67,6 +66,11 @@ def test_quantized_embeddings_look_up_the_dequantized_rows(fmt):
     ids = torch.tensor([0, 99, 7, 7])
     torch.testing.assert_close(Embedding(q, torch.float32)(ids), q.dequantize()[ids])
     assert Embedding(q, torch.float32).nbytes() < table.numel() * table.element_size() / 2
+    if fmt == "int8":  # a tied table reads the LM head's packed codes, keeping no copy of its own
+        head = Int8Linear(q)
+        shared = Embedding(q, torch.float32, head.row_codes)
+        torch.testing.assert_close(shared(ids), q.dequantize()[ids])
+        assert shared.nbytes() == 100 * 4  # its scales only
 
 
 PROMPT = [1] + [(37 * i) % 1000 + 7 for i in range(40)]

@@ -105,14 +105,32 @@ _INT4_N_MULTIPLE = 16  # its int4 packing needs output rows in sixteens
 
 
 class Int8Linear:
-    """Per-output-channel int8 weight: [out, in] codes as stored, one scale per row."""
+    """Per-output-channel int8 weight, one scale per row. Where kernels/int4_linear.c builds, in its
+    layout (16 rows per vector lane, codes plus 128); elsewhere [out, in] codes as stored, for
+    torch's `_weight_int8pack_mm`. A tied int8 embedding looks its rows up here (`row_codes`)."""
 
     def __init__(self, weight: QuantizedWeight):
         self.out_features, self.in_features = weight.shape
-        self.codes = huge_page_copy(weight.codes)
-        self.scales = weight.scales.to(_COMPUTE)
+        self.native = _int4_lib() is not None
+        if self.native:
+            self.blocks, self.row_scales = _pack_int8_rows(pad_rows(weight, -(-self.out_features // 16) * 16))
+        else:
+            self.codes = huge_page_copy(weight.codes)
+            self.scales = weight.scales.to(_COMPUTE)
+
+    def row_codes(self, ids: torch.Tensor) -> torch.Tensor:
+        """The int8 codes of output rows `ids`, [len(ids), in] (a tied embedding's lookup)."""
+        if not self.native:
+            return self.codes[ids]
+        groups = self.in_features // 32
+        planes = self.blocks.view(-1, groups, 8, 16, 4)  # [blocks, group, plane, row, byte]
+        rows = planes[ids // 16, :, :, ids % 16, :]  # [ids, group, plane, byte]
+        return (rows.reshape(len(ids), -1).to(torch.int16) - 128).to(torch.int8)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return _run_native(_int4_lib().int8_linear, x, self.blocks, self.row_scales,
+                               self.in_features, self.out_features)
         y = torch.ops.aten._weight_int8pack_mm(x.to(_COMPUTE), self.codes, self.scales)
         return y.to(x.dtype)
 
@@ -123,8 +141,9 @@ def _int4_lib() -> ctypes.CDLL | None:
     lib = kernels.load("int4_linear")
     if lib is not None:
         p, i = ctypes.c_void_p, ctypes.c_int
-        lib.int4_linear.argtypes = [p, i, i, p, p, i, p, p, p, p, i]
-        lib.int4_linear.restype = None
+        for fn in (lib.int4_linear, lib.int8_linear):
+            fn.argtypes = [p, i, i, p, p, i, p, p, p, p, i]
+            fn.restype = None
     return lib
 
 
@@ -149,24 +168,38 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            y = self._native(x.float().contiguous())
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(_COMPUTE), self.packed, self.group_size,
-                                                          self.scales_zeros)
+            return _run_native(_int4_lib().int4_linear, x, self.codes, self.scales, self.in_features,
+                               self.out_features)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(_COMPUTE), self.packed, self.group_size,
+                                                      self.scales_zeros)
         if y.shape[1] != self.out_features:
             y = y[:, : self.out_features]
         return y.to(x.dtype)
 
-    def _native(self, x: torch.Tensor) -> torch.Tensor:
-        rows, groups = x.shape[0], self.in_features // 32
-        n = self.codes.shape[0] * 16
-        y = torch.empty(rows, n)
-        xq = torch.empty(rows, self.in_features, dtype=torch.int8)
-        dx, t = torch.empty(2, rows, groups)
-        _int4_lib().int4_linear(x.data_ptr(), rows, self.in_features, self.codes.data_ptr(),
-                                self.scales.data_ptr(), n, y.data_ptr(), xq.data_ptr(), dx.data_ptr(),
-                                t.data_ptr(), torch.get_num_threads())
-        return y
+
+def _run_native(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, in_features: int,
+                out_features: int) -> torch.Tensor:
+    """One call of a kernels/int4_linear.c function: x [rows, in] -> [rows, out] in x's dtype."""
+    x32 = x.float().contiguous()
+    rows, groups, n = x.shape[0], in_features // 32, codes.shape[0] * 16
+    y = torch.empty(rows, n)
+    xq = torch.empty(rows, in_features, dtype=torch.int8)
+    dx, t = torch.empty(2, rows, groups)
+    fn(x32.data_ptr(), rows, in_features, codes.data_ptr(), scales.data_ptr(), n, y.data_ptr(),
+       xq.data_ptr(), dx.data_ptr(), t.data_ptr(), torch.get_num_threads())
+    if n != out_features:
+        y = y[:, :out_features]
+    return y.to(x.dtype)
+
+
+def _pack_int8_rows(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/int4_linear.c's int8 layout: per 16 output rows and group of 32 inputs, 8 planes of
+    64 bytes whose byte 4j+b is row j's code plus 128 for input 4i+b. ([out / 16, groups * 512], [out])"""
+    n, k = weight.shape
+    blocks, groups = n // 16, k // 32
+    shifted = (weight.codes.to(torch.int16) + 128).to(torch.uint8)
+    planes = shifted.view(blocks, 16, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups * 512)
+    return huge_page_copy(planes), weight.scales.float().contiguous()
 
 
 def _pack_rows(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import dataclasses
-
 import torch
 
 from pdserve.model.attention import AttentionMetadata, paged_attention
@@ -109,9 +107,10 @@ class CausalLM:
         lo, hi = shard_range(spec.vocab_size, tp.rank, tp.size)
         per_rank = -(-spec.vocab_size // tp.size)  # padded so shards gather evenly
         self.lm_head = make_linear(pad_rows(rows(head, slice(lo, hi)), per_rank), dtype)
+        shared = None
         if head is embed and isinstance(self.lm_head, Int8Linear) and per_rank == spec.vocab_size:
-            embed = dataclasses.replace(embed, codes=self.lm_head.codes)  # one copy of a tied int8 table
-        self.embed = Embedding(embed, dtype)
+            shared = self.lm_head.row_codes  # one copy of a tied int8 table
+        self.embed = Embedding(embed, dtype, shared)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -138,6 +137,4 @@ class CausalLM:
                                     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
         norms = [self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_attn_norm)]
         embed = 0 if per_step else self.embed.nbytes()
-        if embed and isinstance(self.lm_head, Int8Linear) and self.embed.codes is self.lm_head.codes:
-            embed -= self.embed.codes.numel()
         return sum(weight_bytes(lin) for lin in linears) + embed + sum(t.numel() * t.element_size() for t in norms)

@@ -86,3 +86,45 @@ void int4_linear(const float *x, int m, int k, const uint8_t *w, const uint16_t 
         }
     }
 }
+
+/* The same for an int8 weight with one scale per output row: codes stored plus 128 (unsigned, the
+ * operand dpbusd wants unsigned), 16 rows per block, per group 8 planes of 64 bytes (byte 4j+b of
+ * plane i: row j's code for input 4i+b); the extra 128 * sum(xq) is the same for every row:
+ *   y = s * (sum_g dx_g * sum_k (q_k + 128) xq_k  -  128 * sum_g dx_g * sum_k xq_k)               */
+void int8_linear(const float *x, int m, int k, const uint8_t *w, const float *scales, int n, float *y,
+                 int8_t *xq, float *dx, float *t, int nthreads) {
+    const int groups = k / 32, blocks = n / 16;
+    quantize(x, m, k, xq, dx, t);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && blocks > 1)
+    for (int nb = 0; nb < blocks; nb++) {
+        const uint8_t *wb = w + (size_t)nb * groups * 512;
+        const __m512 s = _mm512_loadu_ps(scales + nb * 16);
+        for (int r0 = 0; r0 < m; r0 += ROWS_PER_PASS) {
+            const int rows = m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS;
+            __m512 acc[ROWS_PER_PASS];
+            for (int j = 0; j < ROWS_PER_PASS; j++) acc[j] = _mm512_setzero_ps();
+            for (int g = 0; g < groups; g++) {
+                const uint8_t *wg = wb + (size_t)g * 512;
+                for (int j = 0; j < rows; j++) {
+                    const size_t r = r0 + j;
+                    const int8_t *xg = xq + r * k + g * 32;
+                    __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+                    for (int i = 0; i < 8; i += 2) {
+                        d0 = _mm512_dpbusd_epi32(d0, _mm512_loadu_si512((const void *)(wg + i * 64)), splat4(xg + 4 * i));
+                        d1 = _mm512_dpbusd_epi32(d1, _mm512_loadu_si512((const void *)(wg + i * 64 + 64)),
+                                                 splat4(xg + 4 * i + 4));
+                    }
+                    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)),
+                                             _mm512_set1_ps(dx[r * groups + g]), acc[j]);
+                }
+            }
+            for (int j = 0; j < rows; j++) {
+                const float *tr = t + (size_t)(r0 + j) * groups;
+                float total = 0.0f;
+                for (int g = 0; g < groups; g++) total += tr[g];
+                __m512 v = _mm512_mul_ps(s, _mm512_sub_ps(acc[j], _mm512_set1_ps(128.0f * total)));
+                _mm512_storeu_ps(y + (size_t)(r0 + j) * n + nb * 16, v);
+            }
+        }
+    }
+}
