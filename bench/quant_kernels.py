@@ -4,7 +4,7 @@ SmolLM2-135M's 120 projection shapes (30 layers of qkv, o, gate|up, down), one t
     .venv/bin/python bench/quant_kernels.py [--out bench/results/quant_kernels.json]
 
 Milliseconds for all 120 at 1 and 32 rows, best of 3: what chose bfloat16 activations for torch's
-kernels and pdserve's own int4 kernel over torch's (model/linear.py). Random weights; the kernels'
+kernels and pdserve's own int8/int4 kernels over torch's (model/linear.py). Random weights; the kernels'
 speed does not depend on values.
 """
 
@@ -55,7 +55,7 @@ def main() -> int:
     sz = [torch.stack([q.scales.t(), q.zeros.t()], -1).contiguous() for q in int4]
     layers = {"float32 (MKL packed)": [Linear(w) for w in weights],
               "bfloat16 (oneDNN packed)": [Linear(w.bfloat16()) for w in weights],
-              "int8, bfloat16 activations": [make_linear(q, torch.float32) for q in int8],
+              "int8, pdserve's kernel (int8 activations)": [make_linear(q, torch.float32) for q in int8],
               "int4, pdserve's kernel (int8 activations)": [make_linear(q, torch.float32) for q in int4]}
     results = {"threads": 1, "layers": len(SHAPES), "ms": {}}
     for rows in (1, 32):
@@ -74,6 +74,10 @@ def main() -> int:
                                        qScaleAndZeros=s) for p, s in zip(packed4, sz16)]
         row["int4, torch's kernel, bfloat16 activations"] = best_ms(functools.partial(
             run, int4_bf16, [x.to(torch.bfloat16) for x in inputs]))
+        int8_bf16 = [functools.partial(torch.ops.aten._weight_int8pack_mm, mat2=q.codes,
+                                       scales=q.scales.to(torch.bfloat16)) for q in int8]
+        row["int8, torch's kernel, bfloat16 activations"] = best_ms(functools.partial(
+            run, int8_bf16, [x.to(torch.bfloat16) for x in inputs]))
         row["int8, float32 activations"] = best_ms(functools.partial(run, int8_f32, inputs), 1)
         row["int4, float32 activations"] = best_ms(functools.partial(run, int4_f32, inputs), 1)
         print(rows, json.dumps(row), flush=True)

@@ -149,8 +149,8 @@ def _int4_lib() -> ctypes.CDLL | None:
 
 class Int4Linear:
     """Grouped int4 weight (groups of 32 inputs). Where kernels/int4_linear.c builds (AVX512-VNNI),
-    in its layout: SmolLM2's projections took 4.2 ms against torch's kernel's 4.7 at one row and
-    19.9 against 45.9 at 32 (bench/results/quant_kernels.json). Elsewhere packed by `_convert_weight_to_int4pack_for_cpu`,
+    in its layout: SmolLM2's projections took 4.0 ms against torch's kernel's 4.6 at one row and
+    19.8 against 45.9 at 32 (int8: 5.0 against 8.1, 21.1 against 50.2; bench/quant_kernels.py). Elsewhere packed by `_convert_weight_to_int4pack_for_cpu`,
     with its scales and zeros as that kernel wants them ([in / group, out, 2])."""
 
     def __init__(self, weight: QuantizedWeight):
