@@ -210,15 +210,20 @@ class Scheduler:
             self.pool.release(hits)
             return False
         request.block_ids = hits + self.pool.allocate(needed)
-        request.num_cached_tokens = len(hits) * self.pool.block_size
+        self._wait_for_kv(request, len(hits))
+        remote_loads.append(RemoteLoad(request.request_id, list(request.block_ids), len(hits)))
+        return True
+
+    def _wait_for_kv(self, request: Request, num_cached_blocks: int) -> None:
+        """Admitted to WAITING_FOR_REMOTE_KV with its blocks, the first `num_cached_blocks` of them
+        from this instance's prefix cache (counted as its first lookup)."""
+        request.num_cached_tokens = num_cached_blocks * self.pool.block_size
         if self.pool.enable_prefix_caching:
             self.num_prefix_cache_queries += request.num_prompt_tokens
             self.num_prefix_cache_hits += request.num_cached_tokens
         self.waiting.popleft()
         request.move_to(RequestStatus.WAITING_FOR_REMOTE_KV)
         self.loading.append(request)
-        remote_loads.append(RemoteLoad(request.request_id, list(request.block_ids), len(hits)))
-        return True
 
     def _agreed_hits(self, request: Request) -> list[int]:
         """Cached blocks holding the prompt's leading full blocks, up to the first whose hash differs
@@ -252,13 +257,8 @@ class Scheduler:
         request.pull_tried = True
         new = self.pool.allocate(gap)
         request.block_ids = hits + new
-        request.num_computed_tokens = request.num_cached_tokens = len(hits) * bs
-        if self.pool.enable_prefix_caching:
-            self.num_prefix_cache_queries += request.num_prompt_tokens
-            self.num_prefix_cache_hits += request.num_cached_tokens
-        self.waiting.popleft()
-        request.move_to(RequestStatus.WAITING_FOR_REMOTE_KV)
-        self.loading.append(request)
+        request.num_computed_tokens = len(hits) * bs
+        self._wait_for_kv(request, len(hits))
         hashes = self.pool.block_hashes(request, num_full)[len(hits):]
         remote_pulls.append(RemotePull(request.request_id, list(new), hashes, request.kv_transfer.kv_holders))
         return True
