@@ -161,6 +161,7 @@ class SideChannelClient:
         self._wake_send = self._ctx.socket(zmq.PAIR)
         self._wake_send.connect(self._wake_addr)
         self._wake_lock = threading.Lock()
+        self._wake_closed = False  # under _wake_lock: the client thread closed the wake socket
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="pdserve-side-client", daemon=True)
         self._thread.start()
@@ -177,6 +178,8 @@ class SideChannelClient:
 
     def _wake(self) -> None:
         with self._wake_lock:
+            if self._wake_closed:  # the thread has ended (a close, or a send racing one)
+                return
             try:
                 self._wake_send.send(b"", zmq.NOBLOCK)
             except zmq.Again:  # wake-ups already queued: the thread will see the inbox anyway
@@ -197,7 +200,9 @@ class SideChannelClient:
         for sock in self._sockets.values():
             sock.close(0)
         self._wake_recv.close(0)
-        self._wake_send.close(0)
+        with self._wake_lock:
+            self._wake_closed = True
+            self._wake_send.close(0)
 
     def _turn(self) -> None:
         timeout_ms = 1000
