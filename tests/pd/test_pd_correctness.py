@@ -199,3 +199,18 @@ def test_a_producer_that_lost_the_history_pulls_it_from_decode(pd):
     for inst in pd.instances:
         s = wait_idle(inst)
         assert s["num_free_blocks"] == s["num_blocks"], f"{inst.role} holds blocks: {s}"
+
+
+def test_an_edited_history_reuses_exactly_the_blocks_before_the_edit(pd):
+    """A later turn whose history was rewritten from its third block on: decode reuses the two
+    blocks before the edit and READs every block after it (by content, never by position)."""
+    decode = pd.decode[0]
+    first = prompt(64, seed=700)
+    complete(pd.proxy.url, first)  # decode now holds these four blocks
+    edited = first[:32] + prompt(32, seed=701) + prompt(20, seed=702)  # 84 tokens: six blocks
+    read0, skipped0 = (metric(decode, "pdserve:kv_blocks_read_total"),
+                       metric(decode, "pdserve:kv_blocks_read_skipped_total"))
+    ours = complete(pd.proxy.url, edited)["choices"][0]["token_ids"]
+    assert_greedy_match(ours, hf_reference(pd.model, edited, MAX_TOKENS), f"P{pd.p_tp}D{pd.d_tp} edited")
+    assert (metric(decode, "pdserve:kv_blocks_read_skipped_total") - skipped0,
+            metric(decode, "pdserve:kv_blocks_read_total") - read0) == (2, 4)
