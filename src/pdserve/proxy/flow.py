@@ -40,6 +40,7 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 PROTOCOLS = ("auto", "pdserve", "vllm")
 CLIENT_GONE = 499  # nginx's code: the client closed the connection
+MAX_HOLDERS = 4  # decode instances named to a producer to claim a prompt's cached blocks from
 ASK_AGAIN_S = 5.0  # `auto`: after no answer about the protocol, requests go on as pdserve this long
 
 
@@ -113,13 +114,12 @@ class PDFlow:
         if decision == LOCAL:  # decode prefills it itself
             self.metrics.requests.labels("decode_only").inc()
             return await self.legs.answer(self.router.decode, path, body, headers, start, prefills=True,
-                                      rank=plan.decode)
+                                          rank=plan.decode)
 
         p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         p_body["stream"] = False
         p_body["kv_transfer_params"] = PREFILL_PARAMS
-        holders = [s.kv_holder for s in plan.holders if s.kv_holder][:4] if plan.holders \
-            else self.router.decode.holders()
+        holders = [s.kv_holder for s in plan.holders if s.kv_holder][:MAX_HOLDERS]
         if protocol == "pdserve" and holders:
             # decode instances that may cache this prompt's history: the producer claims it there
             p_body["kv_transfer_params"] = {**PREFILL_PARAMS, "kv_holders": holders}
@@ -147,7 +147,7 @@ class PDFlow:
         producer.upstream.hold()  # its client stays open while its lease may have to go back
         try:
             response = await self.legs.answer(self.router.decode, path, {**body, "kv_transfer_params": kv}
-                                          if kv else body, headers, start, rank=plan.decode)
+                                              if kv else body, headers, start, rank=plan.decode)
             taken = response.status_code == 200
             return response
         finally:

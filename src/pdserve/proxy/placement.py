@@ -41,14 +41,16 @@ class Placement:
     num_tokens: int | None = None  # the prompt's, when the proxy could tokenize it
     decode_uncached: int | None = None  # of which the first decode candidate lacks (kv-aware)
     local: bool = False  # kv-aware: prefilling on that decode instance is predicted fastest
-    holders: list[UpstreamState] = dataclasses.field(default_factory=list)  # best cache first
+    holders: list[UpstreamState] = dataclasses.field(default_factory=list)  # healthy decode instances a
+    # producer may claim the prompt's blocks from: best cache first (kv-aware), else least loaded first
 
 
 def place(router: Router, ids: list[int] | None, cache_salt=None) -> Placement:
     policy = router.policy
     n = len(ids) if ids is not None else None
-    if ids is None or policy != "kv-aware" or router.index is None:
-        return Placement(router.decode.ordered(policy), router.prefill.ordered(policy), n)
+    if ids is None or policy != "kv-aware" or router.index is None:  # holders: least loaded first
+        holders = [s for s in sorted(router.decode.states, key=UpstreamState.score) if s.healthy]
+        return Placement(router.decode.ordered(policy), router.prefill.ordered(policy), n, holders=holders)
     cached = _Cached(router, ids, cache_salt)
     measured = [s.prefill_tokens_per_s for s in router.prefill.states + router.decode.states
                 if s.prefill_tokens_per_s > 0]

@@ -110,12 +110,6 @@ class Pool:
         that began after they were sent."""
         return min((s.prefill_queue() for s in self.states if s.healthy), default=1 << 30)
 
-    def holders(self, limit: int = 4) -> list[dict]:
-        """What healthy instances say of themselves for producers to claim cached blocks from,
-        least loaded first (pull.py on the producer asks them in this order)."""
-        return [s.kv_holder for s in sorted(self.states, key=UpstreamState.score)
-                if s.healthy and s.kv_holder][:limit]
-
     def mark_down(self, state: UpstreamState, reason: str) -> None:
         if state.healthy:
             logger.warning("%s instance %s is down: %s", self.role, state.url, reason)
