@@ -11,26 +11,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from signing import per_op_us  # noqa: E402
 
 from pdserve.prefix_cache.hashing import extra_keys, hash_blocks  # noqa: E402
 
 PROMPT_TOKENS, BLOCK_SIZE = 2000, 16
-
-
-def per_op_us(fn, iterations: int) -> float:
-    runs = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(iterations):
-            fn()
-        runs.append((time.perf_counter() - start) / iterations * 1e6)
-    return statistics.median(runs)
 
 
 def python_hash_chain(tokens: list[int]) -> list[int]:

@@ -18,13 +18,14 @@ import json
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from multiturn import stream  # noqa: E402
 from pdserve.cli import ensure_model  # noqa: E402
 from pdserve.launcher import Deployment  # noqa: E402
 
@@ -38,28 +39,13 @@ def deployment(model: str, pull_min: int, log_dir: Path) -> Deployment:
                       role_args={"prefill": ["--kv-pull-min-tokens", str(pull_min)]}).start()
 
 
-def ttft(client: httpx.Client, url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
-    start, first, tokens = time.perf_counter(), None, []
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
-    with client.stream("POST", url + "/v1/completions", json=body) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                for c in chunk["choices"]:
-                    if c.get("token_ids"):
-                        first = first or time.perf_counter()
-                        tokens += c["token_ids"]
-    return first - start, tokens
-
-
 def second_turn_ttft(dep: Deployment, client: httpx.Client, history: int, seed: int) -> float:
     rng = random.Random(seed)
     first = [rng.randrange(7, 1000) for _ in range(history)]
-    _, answer = ttft(client, dep.proxy.url, first, ANSWER)
+    answer = stream(client, dep.proxy.url, first, ANSWER)["answer"]
     client.post(dep.prefill[0].url + "/reset_prefix_cache").raise_for_status()
     second = first + answer + [rng.randrange(7, 1000) for _ in range(NEW)]
-    return ttft(client, dep.proxy.url, second, 2)[0]
+    return stream(client, dep.proxy.url, second, 2)["ttft_ms"] / 1e3
 
 
 def main() -> None:
