@@ -109,9 +109,10 @@ def test_without_the_prompt_kv_aware_is_least_loaded():
     assert plan.decode[0].url == "http://d0" and plan.decode_uncached is None and not plan.local
 
 
-def test_order_puts_healthy_instances_first_under_every_policy():
-    r = router("kv-aware", {"http://d0": 20})
+def test_healthy_instances_come_first_under_every_policy():
+    r = router("kv-aware", {"http://d0": 20})  # d0 caches the whole prompt, but is down
     r.decode.mark_down(r.decode.states[0], "gone")
-    for policy in ("round-robin", "least-loaded", "kv-aware"):
-        states = order(policy, r.decode.states, 0, 320, lambda s: 320 if s.url == "http://d0" else 0)
-        assert states[0].url == "http://d1"
+    for policy in ("round-robin", "least-loaded"):
+        assert order(policy, r.decode.states, 0)[0].url == "http://d1"
+    plan = place(r, PROMPT)
+    assert plan.decode[0].url == "http://d1" and [s.url for s in plan.holders] == ["http://d1"]

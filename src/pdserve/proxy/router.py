@@ -77,12 +77,11 @@ class Pool:
         turn, n = next(self._turn), len(self.states)
         return [self.states[(turn + i) % n] for i in range(n)]
 
-    def ordered(self, policy: str, num_tokens: int | None = None,
-                cached_tokens: Callable[[UpstreamState], int] | None = None) -> list[UpstreamState]:
+    def ordered(self, policy: str) -> list[UpstreamState]:
         """Every instance, best first by `policy` (policy.py)."""
         if not self.states:
             return []
-        return order(policy, self.states, next(self._turn), num_tokens, cached_tokens)
+        return order(policy, self.states, next(self._turn))
 
     def set_members(self, urls: list[str], make: Callable[[str], Upstream]) -> list[UpstreamState]:
         """Serve exactly these instances from now on: known ones keep their state (and client),
