@@ -109,6 +109,9 @@ class ProducerSide:
             self._holder = holder
         return self._holder
 
+    def _nothing_held(self) -> ClaimReply:
+        return ClaimReply("", [], len(self.rank_agents), self.config.lease_s)
+
     @property
     def has_claims(self) -> bool:
         return not self._claims.empty()
@@ -129,7 +132,7 @@ class ProducerSide:
         lease, as a hand-off's do, and the claimer gets their ids. A claim whose wait ran out
         got "nothing held" instead: its lease is released at once (and freed in this step)."""
         if not block_ids:
-            pending.reply.resolve(ClaimReply("", [], len(self.rank_agents), self.config.lease_s))
+            pending.reply.resolve(self._nothing_held())
             return
         params = claim_params(f"claim-{uuid.uuid4().hex}", block_ids)
         self.leases.add(params.remote_request_id, list(block_ids), params.lease_digest(), self.clock())
@@ -219,10 +222,9 @@ class ProducerSide:
                                             msg.request_ids, msg.digests, self.clock())
             return HeartbeatAck(answers, lease_s=self.config.lease_s, quarantine_s=self.quarantine_s)
         if isinstance(msg, Claim):
-            empty = ClaimReply("", [], len(self.rank_agents), self.config.lease_s)
             if not msg.block_hashes or not self._caches(msg.block_hashes[0]):
-                return empty  # at once: most prompts are nobody's history (the engine re-checks hits)
-            pending = PendingClaim(msg, Deferred(empty, CLAIM_WAIT_S, self.clock))
+                return self._nothing_held()  # at once: most prompts are nobody's history (the engine re-checks)
+            pending = PendingClaim(msg, Deferred(self._nothing_held(), CLAIM_WAIT_S, self.clock))
             self._claims.put(pending)
             self._wake()
             return pending.reply
