@@ -26,7 +26,6 @@ class _Follower:
         self._stop = threading.Event()
         self._follower = KVEventFollower(KVEventSubscriber(endpoint, replay_endpoint, topic),
                                          http_snapshot(url, api_key))
-        self.hashes = self._follower.index.hashes
         self._thread = threading.Thread(target=self._run, name=f"pdserve-kv-index-{url}", daemon=True)
         self._thread.start()
 
@@ -34,11 +33,15 @@ class _Follower:
         try:
             while not self._stop.is_set():
                 self._follower.poll(0.1)
-                self.hashes = self._follower.index.hashes  # a snapshot replaces the set
         except Exception:  # noqa: BLE001 - a broken stream leaves this instance unindexed, not the proxy down
             logger.exception("KV events of an instance could not be followed")
         finally:
             self._follower.subscriber.close()
+
+    @property
+    def hashes(self) -> set[int]:
+        """The instance's blocks as its events say (a snapshot replaces the set: read it anew)."""
+        return self._follower.index.hashes
 
     def stop(self) -> None:
         self._stop.set()
