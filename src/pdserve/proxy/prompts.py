@@ -1,9 +1,9 @@
 """The prompt of a client's request as the instances will see it: token ids (the same tokenizer,
 template and rules as the server, text/prompts.py) and the content hashes of its full blocks.
 
-Proxy process (event loop: a 2,000-token chat takes well under a millisecond). A request the proxy
-cannot tokenize exactly (several prompts, a template the request brings, anything malformed: the
-instance will judge it) has no ids; it is routed by load alone.
+Proxy process (event loop: a ~1,700-token chat takes ~2.4 ms, nearly all of it the tokenizer's
+encode). A request the proxy cannot tokenize exactly (several prompts, a template the request brings,
+anything malformed: the instance will judge it) has no ids; it is routed by load alone.
 """
 
 from __future__ import annotations
