@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from pdserve.kv_transfer.params import KVTransferParams, prompt_hash
@@ -125,3 +127,55 @@ def test_a_transfer_between_instances_mid_rotation(world):
     d.finish("r1")
     world.run(2)
     assert p.num_free == p.pool.num_blocks and not p.connector.producer.has_leases
+
+
+# --- a router that re-encodes JSON numbers ------------------------------------------------------------
+
+def reencoded(obj, number_format):
+    """`obj` as a router that parses JSON and prints it again may pass it on: every float printed
+    by `number_format` (other digits, or a value one ulp off, as a parser that is not exact reads it)."""
+    import json
+    return json.loads(json.dumps(obj), parse_float=lambda s: number_format(float(s)))
+
+
+@pytest.mark.parametrize("number_format", [
+    lambda x: float(f"{x:.15g}"),  # 15 significant digits
+    lambda x: math.nextafter(x, 0.0) if x else x,  # a parser one ulp off (serde_json without float_roundtrip)
+])
+def test_signed_params_survive_any_json_round_trip(number_format):
+    import dataclasses
+
+    from pdserve.kv_transfer.params import FirstToken
+    from pdserve.kv_transfer.signing import sign
+    first = FirstToken(9, -3.9472532272338867, ((9, -3.9472532272338867), (4, -0.10000000000000014)))
+    p = dataclasses.replace(KVTransferParams.parse(GOOD), first_token=first, lease_s=0.3,
+                            expires_at=1796342400.123)
+    wire = dataclasses.replace(p, signature=sign(p, b"s")).to_json()
+    again = reencoded(wire, number_format)
+    check(again, b"s", now=1796342400.0)
+    assert KVTransferParams.parse(again).first_token == first  # the values too, to the bit
+    assert KVTransferParams.parse(again).lease_s == 0.3 and KVTransferParams.parse(again).expires_at == 1796342400.123
+
+
+def test_a_holder_survives_a_json_round_trip():
+    import dataclasses
+
+    from pdserve.kv_transfer.params import Holder
+    from pdserve.kv_transfer.signing import sign, verify
+    h = Holder("e", "127.0.0.1", 5555, 1, expires_at=1796342400.123)
+    wire = dataclasses.replace(h, signature=sign(h, b"s")).to_json()
+    again = Holder.parse(reencoded(wire, lambda x: math.nextafter(x, 0.0)), "kv_holders[0]")
+    verify(again, b"s", now=1796342400.0)
+    assert again.expires_at == 1796342400.123
+
+
+def test_numbers_written_by_hand_are_still_read():
+    """Params a person (or an older producer) wrote with plain JSON numbers parse as before."""
+    p = KVTransferParams.parse({**GOOD, "first_token_logprob": -0.5, "first_token_top_logprobs": [[9, -0.5]],
+                                "lease_s": 2.5})
+    assert p.first_token.logprob == -0.5 and p.first_token.top_logprobs == ((9, -0.5),) and p.lease_s == 2.5
+    for key, value in (("lease_s", "zz"), ("first_token_logprob", "7ff0000000000000"),  # not finite
+                       ("lease_s", "bff0000000000000")):  # -1.0: out of range
+        with pytest.raises(InvalidRequestError) as e:
+            KVTransferParams.parse({**GOOD, key: value})
+        assert e.value.field == f"kv_transfer_params.{key}"

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import math
 import re
+import struct
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,13 @@ MAX_BLOCKS = 1 << 20
 MAX_LEASE_S = 24 * 3600.0
 MAX_HOLDERS = 8
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.\-]{0,252}|[0-9A-Fa-f:.]{2,45}")  # DNS name, IPv4 or IPv6
+
+
+def wire_float(value: float) -> str:
+    """A float as the wire carries it: the 16 hex digits of its IEEE-754 bits (big-endian). No JSON
+    encoder or parser on the way can change a string, so a signature over it survives routers
+    that re-print numbers (docs/design.md, "Wire"); `_Reader.float` reads it back to the bit."""
+    return struct.pack(">d", value).hex()
 
 
 def prompt_hash(token_ids: list[int]) -> str:
@@ -68,7 +76,7 @@ class Holder:
     def to_json(self) -> dict:
         out = {"engine_id": self.engine_id, "host": self.host, "port": self.port, "tp_size": self.tp_size}
         if self.expires_at is not None:
-            out["expires_at"] = self.expires_at
+            out["expires_at"] = wire_float(self.expires_at)
         if self.signature is not None:
             out["signature"] = self.signature
         return out
@@ -183,16 +191,16 @@ class KVTransferParams:
             "tp_size": self.producer_tp_size,
             "first_token_id": self.first_token.token_id,
             "prompt_hash": self.prompt_hash,
-            "lease_s": self.lease_s,
+            "lease_s": None if self.lease_s is None else wire_float(self.lease_s),
         }
         if self.block_hashes is not None:
             out["block_hashes"] = list(self.block_hashes)
         if self.first_token.logprob is not None:
-            out["first_token_logprob"] = self.first_token.logprob
+            out["first_token_logprob"] = wire_float(self.first_token.logprob)
         if self.first_token.top_logprobs is not None:
-            out["first_token_top_logprobs"] = [list(t) for t in self.first_token.top_logprobs]
+            out["first_token_top_logprobs"] = [[t, wire_float(lp)] for t, lp in self.first_token.top_logprobs]
         if self.expires_at is not None:
-            out["expires_at"] = self.expires_at
+            out["expires_at"] = wire_float(self.expires_at)
         if self.signature is not None:
             out["signature"] = self.signature
         return out
@@ -258,11 +266,12 @@ class _Reader:
             raise InvalidRequestError(f"{self.field}.{key}", f"out of range: {value}")
         return value
 
-    def float(self, key: str, lo: float, hi: float = math.inf) -> float | None:
-        value = self._get(key, (int, float), "a number")
+    def float(self, key: str, lo: float = -math.inf, hi: float = math.inf) -> float | None:
+        """A number, or the 16 hex digits of its IEEE-754 bits (`wire_float`, what producers send)."""
+        value = _number(self._get(key, (int, float, str), "a number"), f"{self.field}.{key}")
         if value is not None and not lo < value <= hi:
             raise InvalidRequestError(f"{self.field}.{key}", f"must be in ({lo}, {hi}], got {value}")
-        return None if value is None else float(value)
+        return value
 
     def int_list(self, key: str) -> tuple[int, ...] | None:
         value = self._get(key, (list,), "a list of block ids")
@@ -280,13 +289,11 @@ class _Reader:
         token_id = self.int("first_token_id", lo=0, hi=INT32)
         if token_id is None:
             return None
-        logprob = self._get("first_token_logprob", (int, float), "a number")
-        if logprob is not None and not math.isfinite(logprob):
-            raise InvalidRequestError(f"{FIELD}.first_token_logprob", "must be finite")
+        logprob = self.float("first_token_logprob")
         top = self._get("first_token_top_logprobs", (list,), "a list of [token id, logprob] pairs")
         if top is not None:
             try:
-                top = tuple((int(t), float(lp)) for t, lp in top)
+                top = tuple((int(t), _number(lp, f"{FIELD}.first_token_top_logprobs")) for t, lp in top)
             except (TypeError, ValueError):
                 raise InvalidRequestError(f"{FIELD}.first_token_top_logprobs",
                                           "must be a list of [token id, logprob] pairs") from None
@@ -294,4 +301,24 @@ class _Reader:
                 raise InvalidRequestError(f"{FIELD}.first_token_top_logprobs",
                                           f"must hold at most {MAX_LOGPROBS} pairs of a token id and a "
                                           "finite logprob")
-        return FirstToken(token_id, None if logprob is None else float(logprob), top)
+        return FirstToken(token_id, logprob, top)
+
+
+def _number(value, field: str) -> float | None:
+    """A JSON number or `wire_float`'s hex digits, as a finite float (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if len(value) != 16 or any(c not in "0123456789abcdef" for c in value):
+            raise InvalidRequestError(field, "must be a number or the 16 lowercase hex digits of its "
+                                             f"IEEE-754 bits, got {value!r}")
+        value = struct.unpack(">d", bytes.fromhex(value))[0]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(field, f"must be a number, got {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond any float
+        value = math.inf
+    if not math.isfinite(value):
+        raise InvalidRequestError(field, "must be finite")
+    return value

@@ -5,8 +5,9 @@ Engine process. The producer signs the canonical JSON of every field it returns 
 (wall clock, seconds since the epoch: params travel between hosts) with HMAC-SHA256 under the
 deployment's shared secret; the consumer checks the signature and the expiry before anything else.
 The canonical form is rebuilt from the typed params, so key order or spacing on the way (proxies,
-clients) does not matter, a number reads the same whether it was an int or a float (30 == 30.0),
-and a field nobody signed cannot be added. Signing uses the current secret; verifying accepts the
+clients) does not matter and a field nobody signed cannot be added. Floats travel as the hex of
+their IEEE-754 bits (`params.wire_float`): a router that parses JSON and prints its numbers again
+(other digits, or a parser one ulp off) cannot change them, and 30 signs as 30.0 does. Signing uses the current secret; verifying accepts the
 current or the previous one, so a secret rotates without restarting every instance at once.
 """
 
@@ -28,18 +29,7 @@ _encoder = msgspec.msgpack.Encoder()
 def canonical(params: KVTransferParams | Holder) -> bytes:
     body = params.to_json()
     body.pop("signature", None)
-    return json.dumps(_numbers(body), sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-
-
-def _numbers(value):
-    """Whole floats as ints, everywhere: the signer may hold 30 where the verifier parsed 30.0."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, dict):
-        return {k: _numbers(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_numbers(v) for v in value]
-    return value
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
 def sign(params: KVTransferParams | Holder, secret: bytes) -> str:
