@@ -73,8 +73,7 @@ class Worker:
         self.kv_cache = KVCache(layout, kv_dtype.torch_dtype(kv_name))
         self.runner = MockRunner(self.kv_cache, spec.vocab_size, speedup=config.mock_speedup) \
             if config.mock_engine else ModelRunner(self.model, self.kv_cache)
-        self.sampler = Sampler(spec.vocab_size, Matchers(config.model, spec.vocab_size, spec.eos_token_ids)) \
-            if rank == 0 else None
+        self.sampler = Sampler(spec.vocab_size) if rank == 0 else None
         self.connector = None
         self.step_delay_s = 0.0  # a test hook (`/debug/step_delay`): every model step takes this longer
         if config.kv_transfer is not None:
