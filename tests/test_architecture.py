@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 LAYERS = [
     {"config", "cpus", "heap", "sampling_params", "outputs", "health"},
     {"transport", "model", "text", "checkpoints", "prefix_cache"},
-    {"kv_transfer"},
+    {"kv_transfer", "structured"},
     {"worker"},
     {"engine"},
     {"http"},

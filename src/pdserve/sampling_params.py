@@ -22,6 +22,23 @@ INT32 = 2 ** 31 - 1
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1 - MAX_N  # seed + i for the n samples fits an int64
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output (vLLM's `structured_outputs`): `kind` in STRUCTURED_KINDS, `value`
+    the schema (JSON text), regex, choices (a JSON list) or grammar; `field` names it in errors."""
+
+    kind: str
+    value: str = ""
+    field: str = "structured_outputs"
+
+    def __post_init__(self):
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(self.field, f"must be one of {', '.join(STRUCTURED_KINDS)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
@@ -36,6 +53,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token; 0 = only the sampled token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: StructuredOutputs | None = None  # the output follows this grammar (structured/)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -18,7 +18,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request, RequestStatus, TransferState
 from pdserve.kv_transfer.outcomes import RemoteLoad, RemotePull
 from pdserve.prefix_cache.hashing import wire_hash
-from pdserve.worker.messages import NewRequest, SamplingSpec, ScheduledChunk
+from pdserve.worker.messages import GrammarSpec, NewRequest, SamplingSpec, ScheduledChunk
 
 
 @dataclasses.dataclass
@@ -321,4 +321,11 @@ def _sampling_spec(request: Request) -> SamplingSpec:
         seed=p.seed,
         num_logprobs=p.logprobs,
         num_presampled=presampled,
+        grammar=_grammar_spec(request),
     )
+
+
+def _grammar_spec(request: Request) -> GrammarSpec | None:
+    """The request's grammar, resumed after the tokens it already has (a P/D consumer's first)."""
+    s = request.params.structured
+    return None if s is None else GrammarSpec(s.kind, s.value, list(request.output_token_ids))

@@ -34,11 +34,46 @@ class _Request(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM extension: token ids of each choice in the response
     cache_salt: str | None = None  # vLLM: prefix-cache blocks are shared only with the same salt
+    # structured outputs (server/structured.py): at most one of these
+    response_format: "ResponseFormat | None" = None
+    structured_outputs: "StructuredOutputsParams | None" = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: str  # text, json_object, json_schema
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's `structured_outputs`: one of json, regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False  # pdserve's JSON is always compact (docs/design.md)
 
 
 class CompletionRequest(_Request):

@@ -23,6 +23,7 @@ from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.server.async_engine import AsyncEngine
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import Usage
+from pdserve.server.structured import structured_outputs
 from pdserve.text.prompts import text_prompt_ids
 
 logger = logging.getLogger("pdserve.server")
@@ -112,6 +113,7 @@ class BaseServing:
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            structured=structured_outputs(req),
         )
 
     @staticmethod

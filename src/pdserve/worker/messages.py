@@ -11,6 +11,15 @@ import msgspec
 from pdserve.kv_transfer.messages import ConnectorMetadata, ConnectorReport, RankAgent
 
 
+class GrammarSpec(msgspec.Struct, frozen=True):
+    """A structured-output constraint (sampling_params.StructuredOutputs) and the tokens it has
+    already accepted elsewhere (a P/D consumer's first token): rank 0's matcher resumes from them."""
+
+    kind: str
+    value: str
+    prefix_ids: list[int] = []
+
+
 class SamplingSpec(msgspec.Struct, frozen=True):
     temperature: float
     top_p: float
@@ -18,6 +27,7 @@ class SamplingSpec(msgspec.Struct, frozen=True):
     seed: int | None
     num_logprobs: int | None
     num_presampled: int = 0  # tokens already drawn elsewhere (the P/D producer's first token)
+    grammar: GrammarSpec | None = None  # structured outputs: the sampler masks by it (structured/)
 
 
 class NewRequest(msgspec.Struct, frozen=True):

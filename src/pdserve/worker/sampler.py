@@ -11,14 +11,17 @@ from __future__ import annotations
 import torch
 
 from pdserve.model.fused import argmax_logsumexp
+from pdserve.sampling_params import StructuredOutputs
+from pdserve.structured.matchers import Matchers
 from pdserve.worker.messages import SampledToken, SamplingSpec
 
 _GREEDY_EPS = 1e-5
 
 
 class Sampler:
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, grammars: Matchers | None = None):
         self.vocab_size = vocab_size
+        self.grammars = grammars  # structured outputs; None: this sampler refuses none, masks none
         self.specs: dict[str, SamplingSpec] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.shared = torch.Generator()
@@ -31,19 +34,28 @@ class Sampler:
             for _ in range(spec.num_presampled):
                 self._noise(g)
             self.generators[request_id] = g
+        if spec.grammar is not None and self.grammars is not None:
+            g = spec.grammar
+            self.grammars.add(request_id, StructuredOutputs(g.kind, g.value), g.prefix_ids)
 
     def remove(self, request_id: str) -> None:
         self.specs.pop(request_id, None)
         self.generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.remove(request_id)
 
     def sample(self, logits: torch.Tensor, request_ids: list[str]) -> list[SampledToken]:
         """logits: [rows, vocab] float32, one row per request id."""
+        if self.grammars:  # structured outputs: tokens a row's grammar forbids -> -inf, in place
+            self.grammars.mask(logits, request_ids)
         greedy, lse = argmax_logsumexp(logits)  # log_softmax(x) = x - logsumexp(x)
         tokens = greedy.tolist()
         for i, rid in enumerate(request_ids):
             spec = self.specs[rid]
             if spec.temperature >= _GREEDY_EPS:
                 tokens[i] = self._sample_row(logits[i], spec, self.generators.get(rid, self.shared))
+        if self.grammars:
+            self.grammars.accept(request_ids, tokens)
         token_lp = (logits.gather(1, torch.tensor(tokens)[:, None])[:, 0] - lse).tolist()
         max_n = max((self.specs[r].num_logprobs or 0) for r in request_ids)
         top = None
