@@ -76,6 +76,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mock-speedup", type=float, default=1.0, help="--mock-engine's steps this many times faster")
     p.add_argument("--num-blocks", type=int, default=None, help="fixed KV block count per rank")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV budget per rank")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3",
+                                                                 "fp8"],
+                   help="the KV cache's stored dtype (auto: the model's); fp8_e4m3 keeps a float32 scale per "
+                        "token and head; P/D peers convert between float dtypes and refuse other pairs")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -147,7 +151,7 @@ def engine_config(args) -> EngineConfig:
         chat_template=args.chat_template, mock_engine=args.mock_engine, mock_speedup=args.mock_speedup,
         num_threads=args.num_threads,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                          kv_cache_gib=args.kv_cache_gib,
+                          kv_cache_gib=args.kv_cache_gib, kv_cache_dtype=args.kv_cache_dtype,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,

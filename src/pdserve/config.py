@@ -37,8 +37,11 @@ class CacheConfig:
     num_blocks: int | None = None  # fixed block count; wins over kv_cache_gib
     kv_cache_gib: float = 1.0  # per TP rank
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # vLLM's spelling; auto = the model's dtype (model/kv_dtype.py)
 
     def __post_init__(self):
+        _check(self.kv_cache_dtype in ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8"),
+               "kv_cache_dtype", f"must be auto, float32, bfloat16, float16 or fp8_e4m3, got {self.kv_cache_dtype!r}")
         _check(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
                "block_size", f"must be a power of two, got {self.block_size}")
         _check(self.num_blocks is None or self.num_blocks >= 2, "num_blocks",

@@ -22,7 +22,7 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  max_model_len: int | None = None, num_threads: int | None = None, seed: int = 0,
                  chat_template: str | None = None, generation_config: str = "auto",
-                 download_dir: str | None = None):
+                 download_dir: str | None = None, kv_cache_dtype: str = "auto"):
         """`model`: a checkpoint directory or a .gguf file, converted once into `download_dir`
         (default ~/.cache/pdserve/gguf)."""
         model = checkpoint_dir(model, Path(download_dir) if download_dir else None)
@@ -30,7 +30,7 @@ class LLM:
             model=model, dtype=dtype, quantization=quantization, seed=seed, max_model_len=max_model_len,
             num_threads=num_threads, chat_template=chat_template,
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                              kv_cache_gib=kv_cache_gib,
+                              kv_cache_gib=kv_cache_gib, kv_cache_dtype=kv_cache_dtype,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,

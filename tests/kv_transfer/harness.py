@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import torch
 
 from pdserve.config import KVTransferConfig
 from pdserve.engine.block_pool import BlockPool
@@ -25,9 +26,11 @@ from pdserve.kv_transfer.params import FirstToken, KVTransferParams
 from pdserve.kv_transfer.scheduler_side import SchedulerConnector
 from pdserve.kv_transfer.transfer_state import TransferState
 from pdserve.kv_transfer.worker_side import RegisteredCache, WorkerConnector
+from pdserve.model import kv_dtype
 from pdserve.model.parallel import kv_head_range
 from pdserve.prefix_cache.hashing import hash_blocks, wire_hash
 from pdserve.transport.loopback import LoopbackFabric, LoopbackNetwork
+from pdserve.worker.kv_cache import CacheLayout, KVCache
 
 NUM_LAYERS, HEAD_DIM, BLOCK_SIZE = 2, 2, 4
 
@@ -50,7 +53,7 @@ def config(**kw) -> KVTransferConfig:
 
 class Instance:
     def __init__(self, name: str, tp_size: int, world: "World", num_kv_heads: int = 4, num_blocks: int = 32,
-                 model: str = "m", prefix_caching: bool = False, **config_kw):
+                 model: str = "m", prefix_caching: bool = False, kv_cache_dtype: str = "float32", **config_kw):
         self.engine_id = name
         self.tp_size = tp_size
         self.world = world
@@ -58,17 +61,23 @@ class Instance:
         self.pool = BlockPool(num_blocks, BLOCK_SIZE, enable_prefix_caching=prefix_caching, model_key=model)
         self.config = config(**config_kw)
         self.local_heads = [kv_head_range(r, tp_size, num_kv_heads) for r in range(tp_size)]
-        self.caches = [np.zeros((NUM_LAYERS, 2, num_blocks, len(h), BLOCK_SIZE, HEAD_DIM), np.float32)
-                       for h in self.local_heads]
-        self.workers = [WorkerConnector(self.config, num_kv_heads, r, tp_size, _registered(c), name,
+        self.kv_dtype = kv_cache_dtype
+        self.kv_caches = [KVCache(CacheLayout.for_dtype(NUM_LAYERS, num_blocks, len(h), BLOCK_SIZE, HEAD_DIM,
+                                                        kv_cache_dtype), kv_dtype.torch_dtype(kv_cache_dtype))
+                          for h in self.local_heads]
+        # [layers, K/V, blocks, heads, slot, dim]: numpy views of float32 caches, tensors otherwise
+        self.caches = [c.buffer.numpy() if kv_cache_dtype == "float32" else c.buffer for c in self.kv_caches]
+        self.workers = [WorkerConnector(self.config, num_kv_heads, r, tp_size, c.registration(), name,
                                         world.fabric.agent, threaded=False, clock=world.clock)
-                        for r, c in enumerate(self.caches)]
-        fingerprint = Fingerprint(model, "float32", NUM_LAYERS, num_kv_heads, HEAD_DIM, BLOCK_SIZE)
+                        for r, c in enumerate(self.kv_caches)]
+        fingerprint = Fingerprint(model, "float32", NUM_LAYERS, num_kv_heads, HEAD_DIM, BLOCK_SIZE,
+                                  kv_cache_dtype=kv_cache_dtype)
         self.connector = SchedulerConnector(self.config, name, fingerprint,
                                             [w.rank_agent() for w in self.workers],
                                             network=world.network, clock=world.clock,
                                             caches=self.pool.cached.__contains__)
         self.blocks: dict[str, list[int]] = {}  # request id -> local blocks (what the engine would own)
+        self.filled: dict[str, list[int]] = {}  # producer request id -> the blocks `prefill` filled
         self.outcomes: list[LoadOutcome] = []
         self.metadata: ConnectorMetadata | None = None  # for the ranks, with the next step
         self.pinned: list[Pinned] = []  # for the connector, with the next step
@@ -130,9 +139,8 @@ class Instance:
         """Compute (fill) a prompt's blocks and hand them off; returns the params of the answer."""
         num_blocks = -(-(num_tokens + 1) // BLOCK_SIZE)  # the first token's slot, as the engine has
         blocks = self.pool.allocate(num_blocks)
-        for cache, heads in zip(self.caches, self.local_heads):
-            for i, b in enumerate(blocks):
-                cache[:, :, b] = pattern(seed, heads, range(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE))
+        self.fill(blocks, seed)
+        self.filled[request_id] = blocks
         handoff = self.connector.hand_off(request_id, list(range(num_tokens)), blocks, FirstToken(7),
                                           block_hashes(num_tokens))
         rest = [b for b in blocks if b not in handoff.block_ids]
@@ -157,17 +165,22 @@ class Instance:
 
     def fill(self, blocks: list[int], seed: int, first_position: int = 0) -> None:
         """Write the pattern a producer with `seed` would hold into local blocks."""
-        for cache, heads in zip(self.caches, self.local_heads):
+        for kv, heads in zip(self.kv_caches, self.local_heads):
             for i, b in enumerate(blocks):
                 start = first_position + i * BLOCK_SIZE
-                cache[:, :, b] = pattern(seed, heads, range(start, start + BLOCK_SIZE))
+                values = torch.from_numpy(pattern(seed, heads, range(start, start + BLOCK_SIZE)))
+                if kv.scales is None:
+                    kv.buffer[:, :, b] = values
+                else:
+                    kv.buffer[:, :, b], kv.scales[:, :, b] = kv_dtype.quantize(values)
 
     def kv(self, request_id: str, num_tokens: int) -> np.ndarray:
         """The request's KV as global heads: [layers, K/V, heads, tokens, dim]."""
         blocks = self.blocks[request_id]
         out = np.zeros((NUM_LAYERS, 2, self.num_kv_heads, len(blocks) * BLOCK_SIZE, HEAD_DIM), np.float32)
-        for cache, heads in zip(self.caches, self.local_heads):
-            data = cache[:, :, blocks]  # [L, 2, blocks, heads, block, dim]
+        for kv, heads in zip(self.kv_caches, self.local_heads):
+            scales = None if kv.scales is None else kv.scales[:, :, blocks]
+            data = kv_dtype.dequantize(kv.buffer[:, :, blocks], scales, torch.float32).numpy()
             data = data.transpose(0, 1, 3, 2, 4, 5).reshape(NUM_LAYERS, 2, len(heads), -1, HEAD_DIM)
             out[:, :, heads.start:heads.stop] = data
         return out[:, :, :, :num_tokens]

@@ -16,8 +16,6 @@ import time
 import uuid
 from typing import Callable
 
-import torch
-
 from pdserve.config import EngineConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_events import KVEvents
@@ -30,6 +28,7 @@ from pdserve.kv_transfer.outcomes import ConnectorOutcome, LoadOutcome, Pinned, 
 from pdserve.kv_transfer.params import FirstToken, KVTransferParams
 from pdserve.kv_transfer.scheduler_side import NoConnector, SchedulerConnector
 from pdserve.model.loader import weight_format
+from pdserve.model import kv_dtype
 from pdserve.model.parallel import check_tp_size, kv_head_range
 from pdserve.model.spec import ModelSpec, resolve_dtype
 from pdserve.outputs import RequestOutput, TokenLogprob
@@ -99,7 +98,8 @@ class Engine:
         model = f"{spec.fingerprint()}+weights={weights}"  # a mock never pairs with a real engine
         return Fingerprint(model=model, dtype=str(self.dtype).replace("torch.", ""),
                            num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
-                           head_dim=spec.head_dim, block_size=self.config.cache.block_size)
+                           head_dim=spec.head_dim, block_size=self.config.cache.block_size,
+                           kv_cache_dtype=kv_dtype.resolve(self.config.cache.kv_cache_dtype, self.dtype))
 
     def model_key(self) -> str:
         """The fingerprint as the string hashed into every cached block (prefix_cache.hashing)."""
@@ -109,9 +109,9 @@ class Engine:
     def _blocks_for_budget(self) -> int:
         tp = self.config.parallel.tensor_parallel_size
         heads = len(kv_head_range(0, tp, self.spec.num_kv_heads))
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        per_block = 2 * self.spec.num_layers * heads * self.config.cache.block_size \
-            * self.spec.head_dim * elem
+        kv_name = kv_dtype.resolve(self.config.cache.kv_cache_dtype, self.dtype)  # fp8: a scale per slot
+        per_slot = self.spec.head_dim * kv_dtype.element_bytes(kv_name) + kv_dtype.scale_bytes(kv_name)
+        per_block = 2 * self.spec.num_layers * heads * self.config.cache.block_size * per_slot
         return max(2, int(self.config.cache.kv_cache_gib * 2**30) // per_block)
 
     # --- requests -------------------------------------------------------------------------------

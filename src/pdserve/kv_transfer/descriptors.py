@@ -23,6 +23,8 @@ class RegionTable:
     head_bytes: int
     num_kv_heads: int
     num_blocks: int
+    dtype: str = "float32"  # the stored KV dtype's name
+    scales: "RegionTable | None" = None  # fp8: the scale regions, read with the data regions
 
 
 def build_descriptors(local: RegionTable, remote: RegionTable, s: HeadSlice,

@@ -5,8 +5,9 @@
 * Consumer half, `PeerTable`: engine thread of a consumer. One handshake per producer engine id,
   asking only for the producer ranks this instance's ranks read from (the producer's TP size comes
   from the request, never from a round trip). The reply is checked in order: transport error,
-  version, producer-side error, fingerprint (before anything else is decoded), engine id, TP size;
-  only then is the payload decoded. What a failure means for the requests waiting on that producer
+  version, producer-side error, fingerprint (before anything else is decoded; KV cache dtypes may
+  differ only where the consumer converts, model/kv_dtype.py), engine id, TP size; only then is the
+  payload decoded. What a failure means for the requests waiting on that producer
   is the consumer's business.
 
 The producer's TP size is validated here and at the edge (params.py) only.
@@ -24,6 +25,7 @@ import msgspec
 from pdserve.kv_transfer.messages import (HANDSHAKE_VERSION, ErrorReply, Fingerprint, HandshakePayload,
                                           HandshakeReply, HandshakeRequest, PeerAgents, RankAgent)
 from pdserve.kv_transfer.topology import producer_ranks_for
+from pdserve.model import kv_dtype
 
 
 class HandshakeError(RuntimeError):
@@ -110,8 +112,11 @@ def accept_reply(reply, peer: Peer, ours: Fingerprint, timeout_s: float) -> Peer
         raise HandshakeError(reply.error)
     if reply.fingerprint is None:
         raise HandshakeError("the reply carries no compatibility fingerprint")
-    if reply.fingerprint != ours:
-        raise HandshakeError("incompatible producer: " + "; ".join(ours.differences(reply.fingerprint)))
+    differences = ours.differences(reply.fingerprint, ignore=("kv_cache_dtype",))
+    if differences:
+        raise HandshakeError("incompatible producer: " + "; ".join(differences))
+    if not kv_dtype.convertible(reply.fingerprint.kv_cache_dtype, ours.kv_cache_dtype):
+        raise HandshakeError(kv_dtype.incompatible(reply.fingerprint.kv_cache_dtype, ours.kv_cache_dtype))
     if reply.engine_id != peer.engine_id:
         raise HandshakeError(f"reached engine {reply.engine_id}, expected {peer.engine_id}")
     try:

@@ -32,6 +32,10 @@ class RankAgent(msgspec.Struct, frozen=True):
     block_bytes: int
     head_bytes: int
     hostname: str = ""  # a peer on the same host should be read over shared memory or cma
+    kv_cache_dtype: str = "float32"  # how the regions store K/V (model/kv_dtype.py)
+    scale_region_addresses: list[int] = []  # fp8: one per region, same order; [blocks, heads, slot] float32
+    scale_block_bytes: int = 0
+    scale_head_bytes: int = 0
 
 
 class Fingerprint(msgspec.Struct, frozen=True):
@@ -44,10 +48,11 @@ class Fingerprint(msgspec.Struct, frozen=True):
     head_dim: int
     block_size: int
     layout: str = "HND"
+    kv_cache_dtype: str = "float32"  # may differ between peers when a converter exists (handshake.py)
 
-    def differences(self, other: "Fingerprint") -> list[str]:
+    def differences(self, other: "Fingerprint", ignore: tuple[str, ...] = ()) -> list[str]:
         return [f"{f}: ours={getattr(self, f)!r} theirs={getattr(other, f)!r}"
-                for f in self.__struct_fields__ if getattr(self, f) != getattr(other, f)]
+                for f in self.__struct_fields__ if f not in ignore and getattr(self, f) != getattr(other, f)]
 
 
 # --- engine -> rank, per step ----------------------------------------------------------------

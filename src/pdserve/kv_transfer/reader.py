@@ -4,7 +4,8 @@ copy lanes when large) and its progress to an end.
 TP rank process, the rank's transport thread only. A READ is never posted after its deadline (the
 producer's lease); each producer rank read from hears DONE once its part has fully landed. A READ
 that outlives its timeout is reported in doubt: it may still land, so the engine quarantines the
-local blocks instead of reusing them. An evicted producer's agents are dropped once no READ uses
+local blocks instead of reusing them. A producer storing another KV dtype is READ into a staging
+area and converted into the cache once landed (staging.py). An evicted producer's agents are dropped once no READ uses
 them.
 """
 
@@ -23,6 +24,7 @@ from pdserve.kv_transfer.lanes import CopyLane, LanePart, lane_shares
 from pdserve.kv_transfer.messages import (Notification, NotificationKind, PeerAgents, ReadDone,
                                           ReadFailure, ReadSpec)
 from pdserve.kv_transfer.signing import sign_notification
+from pdserve.kv_transfer.staging import Staging
 from pdserve.kv_transfer.topology import read_plan
 from pdserve.transport.base import Agent, TransferError, XferState
 
@@ -57,6 +59,7 @@ class InFlight:
     failed: str | None = None
     peer_gone: bool = False
     in_doubt: bool = False
+    staging: Staging | None = None  # the READ lands here, in the producer's dtype, and is converted
 
 
 class Reader:
@@ -75,6 +78,7 @@ class Reader:
         self.peers: dict[str, LoadedPeer] = {}
         self.evicting: set[str] = set()  # dropped by the engine; agents go once their READs end
         self.inflight: list[InFlight] = []
+        self.in_doubt_staging: list[Staging] = []  # staging areas a timed-out READ may still write
 
     # --- peers ----------------------------------------------------------------------------------
 
@@ -91,8 +95,13 @@ class Reader:
             name = self.agent.add_peer(ra.agent_metadata)
             for lane in self.lanes:
                 lane.add_peer(ra.agent_metadata)
+            scales = None
+            if ra.scale_region_addresses:
+                scales = RegionTable(tuple(ra.scale_region_addresses), ra.scale_block_bytes, ra.scale_head_bytes,
+                                     ra.num_kv_heads, ra.num_blocks)
             ranks[ra.rank] = PeerRank(name, RegionTable(tuple(ra.region_addresses), ra.block_bytes,
-                                                        ra.head_bytes, ra.num_kv_heads, ra.num_blocks))
+                                                        ra.head_bytes, ra.num_kv_heads, ra.num_blocks,
+                                                        ra.kv_cache_dtype, scales))
         self.peers[peer.engine_id] = LoadedPeer(peer.producer_tp_size, ranks)
 
     def evict(self, engine_ids: list[str]) -> None:
@@ -123,15 +132,26 @@ class Reader:
         peer = self.peers.get(spec.engine_id)
         if peer is None or spec.engine_id in self.evicting:
             return _failure(spec, f"producer {spec.engine_id} is not loaded on rank {self.rank}", peer_gone=True)
+        plan = read_plan(peer.producer_tp_size, self.tp_size, self.num_kv_heads)[self.rank]
+        missing = [s.producer_rank for s in plan if s.producer_rank not in peer.ranks]
+        if missing:
+            return _failure(spec, f"producer rank {missing[0]} of {spec.engine_id} is not "
+                                  f"loaded on rank {self.rank}", peer_gone=True)
+        staging, target, target_blocks = None, self.local, spec.local_block_ids
+        theirs = peer.ranks[plan[0].producer_rank].regions
+        if theirs.dtype != self.local.dtype:  # land in their dtype, convert once it has (staging.py)
+            staging = Staging(self.local, theirs, len(target_blocks))
+            self.agent.register(staging.address, staging.size_bytes)
+            target, target_blocks = staging.regions, list(range(len(target_blocks)))
         by_rank: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-        for s in read_plan(peer.producer_tp_size, self.tp_size, self.num_kv_heads)[self.rank]:
-            if s.producer_rank not in peer.ranks:
-                return _failure(spec, f"producer rank {s.producer_rank} of {spec.engine_id} is not "
-                                      f"loaded on rank {self.rank}", peer_gone=True)
-            by_rank.setdefault(s.producer_rank, []).append(build_descriptors(
-                self.local, peer.ranks[s.producer_rank].regions, s, spec.local_block_ids,
-                spec.remote_block_ids))
-        read = InFlight(spec, now)
+        for s in plan:
+            remote = peer.ranks[s.producer_rank].regions
+            pairs = [(target, remote)]
+            if target.scales is not None:  # fp8: the scales beside the blocks
+                pairs.append((target.scales, remote.scales))
+            by_rank.setdefault(s.producer_rank, []).extend(
+                build_descriptors(l, r, s, target_blocks, spec.remote_block_ids) for l, r in pairs)
+        read = InFlight(spec, now, staging=staging)
         self.inflight.append(read)
         for p_rank, parts in by_rank.items():
             local = np.concatenate([l for l, _ in parts])
@@ -142,7 +162,7 @@ class Reader:
                 self.secret))
             read.num_bytes += int(local[:, 1].sum())
             read.num_descriptors += len(local)
-            shares = lane_shares(local[:, 1], 1 + len(self.lanes))
+            shares = lane_shares(local[:, 1], 1 + len(self.lanes)) if staging is None else [(0, len(local))]
             if len(shares) > 1:  # lanes copy the other shares; the producer hears once all land
                 for lane, (lo, hi) in zip(self.lanes, shares[1:]):
                     read.lane_parts.append(lane.read(name, local[lo:hi], remote[lo:hi],
@@ -178,7 +198,10 @@ class Reader:
                 continue
             for h in read.handles:
                 self.agent.release(h)
-            ended.append(self._end(read, now, abandoned=busy))
+            result = self._end(read, now, abandoned=busy)
+            if read.staging is not None:
+                self._unstage(read, result)
+            ended.append(result)
         self.inflight = still
         if self.evicting:
             self._drop_evicted()
@@ -198,6 +221,17 @@ class Reader:
             return _failure(read.spec, "the READ landed but the producer could not be told",
                             peer_gone=True, in_doubt=True)
         return ReadDone(read.spec.request_id, read.num_bytes, read.num_descriptors, now - read.started)
+
+
+    def _unstage(self, read: InFlight, result: ReadDone | ReadFailure) -> None:
+        """Convert a landed READ into the cache; free its staging area unless a READ may still land
+        in it (then it is kept, as the engine quarantines the blocks of such a READ)."""
+        if isinstance(result, ReadFailure) and result.in_doubt:
+            self.in_doubt_staging.append(read.staging)
+            return
+        if isinstance(result, ReadDone):
+            read.staging.convert_into_cache(read.spec.local_block_ids)
+        self.agent.deregister(read.staging.address)
 
 
 def _failure(spec: ReadSpec, reason: str, peer_gone: bool = False, in_doubt: bool = False) -> ReadFailure:

@@ -59,9 +59,11 @@ class WorkerConnector:
         self.agent = make_agent(f"{engine_id}/rank{rank}")
         self.agent.register(cache.address, cache.size_bytes, cache.device)
         r = cache.regions
+        sc = r.scales
         self._rank_agent = RankAgent(rank, self.agent.name, self.agent.metadata(), list(r.region_addresses),
                                      r.num_blocks, r.num_kv_heads, r.block_bytes, r.head_bytes,
-                                     socket.gethostname())
+                                     socket.gethostname(), r.dtype, list(sc.region_addresses) if sc else [],
+                                     sc.block_bytes if sc else 0, sc.head_bytes if sc else 0)
         self._wake = threading.Event()
         lanes = [CopyLane(make_agent(f"{engine_id}/rank{rank}/lane{i}"), cache.address, cache.size_bytes,
                           cache.device, threaded, clock) for i in range(1, config.copy_lanes)]

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model import kernels
+from pdserve.model.kv_dtype import dequantize
 
 
 @dataclasses.dataclass
@@ -55,9 +56,12 @@ def paged_attention(
     k_cache: torch.Tensor,  # [num_blocks, kv_heads, block_size, head_dim]
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # fp8: [num_blocks, kv_heads, block_size] each
 ) -> torch.Tensor:
-    """Attend, with this step's K/V already written to the cache (fused.rope_write_kv). Returns
-    [tokens, heads, head_dim]."""
+    """Attend, with this step's K/V already written to the cache (fused.rope_write_kv). The cache
+    may store another dtype than q's (model/kv_dtype.py): what is read from it is converted to q's.
+    Returns [tokens, heads, head_dim]."""
+    k_scale, v_scale = scales or (None, None)
     out = torch.empty_like(q)
     for seq in meta.prefills:
         rows = slice(seq.start, seq.start + seq.num_tokens)
@@ -67,13 +71,15 @@ def paged_attention(
             vs = v[rows].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
-            ks = _gather(k_cache, seq.block_ids)[None, :, : seq.context_len]
-            vs = _gather(v_cache, seq.block_ids)[None, :, : seq.context_len]
+            ks = _read(k_cache, k_scale, seq.block_ids, q.dtype)[None, :, : seq.context_len]
+            vs = _read(v_cache, v_scale, seq.block_ids, q.dtype)[None, :, : seq.context_len]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     if meta.decode_block_tables is not None:
         rows = slice(meta.decode_start, q.shape[0])
-        native = native_decode() if q.dtype == torch.float32 and q.device.type == "cpu" else None
+        native = None
+        if q.dtype == k_cache.dtype == torch.float32 and q.device.type == "cpu":
+            native = native_decode()
         if native is not None:
             out[rows] = native(q[rows], k_cache, v_cache, meta.decode_block_tables,
                                meta.decode_context_lens, meta.sliding_window)
@@ -81,7 +87,7 @@ def paged_attention(
             tables = meta.decode_block_tables
             mask = build_mask(meta.decode_context_lens.long() - 1, tables.shape[1] * k_cache.shape[2],
                               meta.sliding_window)
-            out[rows] = _decode_attention(q[rows], k_cache, v_cache, tables, mask[:, None, None, :])
+            out[rows] = _decode_attention(q[rows], k_cache, v_cache, tables, mask[:, None, None, :], scales)
     return out
 
 
@@ -114,7 +120,8 @@ def native_decode() -> NativeDecode | None:
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                      tables: torch.Tensor, mask: torch.Tensor,
+                      scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One query per sequence. The gathered blocks stay in cache order ([blocks, kv_heads, slot]);
     one batched matmul scores every query head against every gathered row (the cross-head products
     are cheap next to a transposing copy of K and V), and the matching heads are picked out by a
@@ -124,8 +131,9 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     group = num_heads // kv_heads
     nb = tables.shape[1]
     flat = tables.reshape(-1)
-    k = torch.index_select(k_cache, 0, flat).view(seqs, nb * kv_heads * block_size, head_dim)
-    v = torch.index_select(v_cache, 0, flat).view(seqs, nb * kv_heads * block_size, head_dim)
+    k_scale, v_scale = scales or (None, None)
+    k = _select(k_cache, k_scale, flat, q.dtype).view(seqs, nb * kv_heads * block_size, head_dim)
+    v = _select(v_cache, v_scale, flat, q.dtype).view(seqs, nb * kv_heads * block_size, head_dim)
     scores = torch.bmm(k, q.transpose(1, 2) * head_dim ** -0.5)  # [seqs, rows, heads]
     scores = scores.view(seqs, nb, kv_heads, block_size, kv_heads, group)
     scores = scores.diagonal(dim1=2, dim2=4)  # [seqs, nb, block_size, group, kv_heads]
@@ -146,3 +154,16 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     if block_ids.dim() == 1:
         return gathered.view(heads, -1, head_dim)
     return gathered.view(heads, block_ids.shape[0], -1, head_dim).transpose(0, 1)
+
+
+def _select(cache: torch.Tensor, scale: torch.Tensor | None, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The blocks `flat` of a cache, in `dtype`: [len(flat), kv_heads, block_size, head_dim]."""
+    return dequantize(torch.index_select(cache, 0, flat),
+                      None if scale is None else torch.index_select(scale, 0, flat), dtype)
+
+
+def _read(cache: torch.Tensor, scale: torch.Tensor | None, block_ids: torch.Tensor,
+          dtype: torch.dtype) -> torch.Tensor:
+    """`_gather`, in `dtype`."""
+    return dequantize(_gather(cache, block_ids),
+                      None if scale is None else _gather(scale.unsqueeze(-1), block_ids)[..., 0], dtype)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model import kernels
+from pdserve.model.kv_dtype import write_kv
 from pdserve.model.layers import RotaryEmbedding, rms_norm
 
 _p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -63,14 +64,15 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 def rope_write_kv(rope: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_blocks: torch.Tensor, slot_offsets: torch.Tensor):
+                  slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
+                  scales: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Rotate q [tokens, heads, d] and k [tokens, kv_heads, d] by position and write k and v into
-    their cache slots. Returns the rotated (q, k); the C path rotates in place."""
+    their cache slots, in the cache's dtype (`scales`: an fp8 cache's, kv_dtype.py). Returns the
+    rotated (q, k); the C path rotates in place."""
     lib = _native(q, k, v, k_cache, v_cache, rope.cos)
     if lib is None or not all(_heads_packed(t) for t in (q, k, v)):
         q, k = rope(positions, q, k)
-        k_cache[slot_blocks, :, slot_offsets] = k
-        v_cache[slot_blocks, :, slot_offsets] = v
+        write_kv(k_cache, v_cache, k, v, slot_blocks, slot_offsets, scales)
         return q, k
     tokens, num_heads, d = q.shape
     _, kv_heads, block_size, _ = k_cache.shape

@@ -65,15 +65,17 @@ class DecoderLayer:
         self.post_attn_norm = w("post_attention_layernorm.weight")
 
     def __call__(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: the residual stream, still missing the previous layer's output `delta` (None for the
-        first layer); both are added in place. Returns this layer's output, for the next to add."""
+        first layer); both are added in place. Returns this layer's output, for the next to add.
+        `scales`: an fp8 cache's (model/kv_dtype.py)."""
         eps = self.spec.rms_norm_eps
         h = add_rms_norm(x, delta, self.input_norm, eps)
-        h = add_rms_norm(x, self._attention(h, positions, k_cache, v_cache, meta), self.post_attn_norm, eps)
+        h = add_rms_norm(x, self._attention(h, positions, k_cache, v_cache, meta, scales), self.post_attn_norm, eps)
         return self.tp.all_reduce(self.down_proj(silu_mul(self.gate_up_proj(h))))
 
-    def _attention(self, x, positions, k_cache, v_cache, meta):
+    def _attention(self, x, positions, k_cache, v_cache, meta, scales):
         d, num_tokens = self.spec.head_dim, x.shape[0]
         qkv = self.qkv_proj(x)
         if self.qkv_bias is not None:
@@ -86,8 +88,8 @@ class DecoderLayer:
             q = rms_norm(q, self.q_norm, self.spec.rms_norm_eps)
             k = rms_norm(k, self.k_norm, self.spec.rms_norm_eps)
         q, k = rope_write_kv(self.rope, positions, q, k, v, k_cache, v_cache, meta.slot_blocks,
-                             meta.slot_offsets)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta)
+                             meta.slot_offsets, scales)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, scales)
         return self.tp.all_reduce(self.o_proj(o.reshape(num_tokens, -1)))
 
 
@@ -114,12 +116,13 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                kv_caches: list[tuple[torch.Tensor, ...]],
                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [tokens] -> hidden states [tokens, hidden] after the final norm."""
+        """input_ids, positions: [tokens] -> hidden states [tokens, hidden] after the final norm.
+        kv_caches: per layer (k, v), or (k, v, k_scales, v_scales) for fp8 (worker/kv_cache.py)."""
         x, delta = self.embed(input_ids), None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            delta = layer(x, delta, positions, k_cache, v_cache, meta)
+        for layer, (k_cache, v_cache, *scales) in zip(self.layers, kv_caches):
+            delta = layer(x, delta, positions, k_cache, v_cache, meta, tuple(scales) or None)
         return add_rms_norm(x, delta, self.norm, self.spec.rms_norm_eps)
 
     @torch.inference_mode()

@@ -28,7 +28,11 @@ class Agent(Protocol):
     name: str
 
     def register(self, address: int, size_bytes: int, device: str = "cpu") -> None:
-        """Register one contiguous region (a rank's whole KV cache) once, at start."""
+        """Register one contiguous region (a rank's whole KV cache) once, at start, or a READ's
+        staging area (model/kv_dtype.py conversions) until `deregister`."""
+
+    def deregister(self, address: int) -> None:
+        """Forget a region `register` was given (its base address)."""
 
     def metadata(self) -> bytes:
         """What a peer loads (`add_peer`) to read this agent's registered memory."""

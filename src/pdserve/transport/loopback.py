@@ -91,6 +91,9 @@ class LoopbackAgent:
         assert device == "cpu", "the loopback fabric moves host memory only"
         self.regions.append((address, size_bytes))
 
+    def deregister(self, address: int) -> None:
+        self.regions = [r for r in self.regions if r[0] != address]
+
     def metadata(self) -> bytes:
         return b"loopback:" + self.name.encode()
 

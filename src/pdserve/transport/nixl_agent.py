@@ -51,6 +51,7 @@ class NixlAgent:
         self._agent = nixl_agent(name, config)
         self._mem_type = "DRAM"
         self._registered = []
+        self._by_address = {}
 
     def register(self, address: int, size_bytes: int, device: str = "cpu") -> None:
         """Register one contiguous region (the rank's whole KV cache) once, at start."""
@@ -59,6 +60,13 @@ class NixlAgent:
         descs = self._agent.get_reg_descs([(address, size_bytes, dev_id, "")], self._mem_type)
         self._agent.register_memory(descs)
         self._registered.append(descs)
+        self._by_address[address] = descs
+
+    def deregister(self, address: int) -> None:
+        """Forget a region registered after the cache (a READ's staging area, once converted)."""
+        descs = self._by_address.pop(address)
+        self._registered.remove(descs)
+        self._agent.deregister_memory(descs)
 
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()

@@ -24,6 +24,7 @@ import torch
 
 from pdserve.config import EngineConfig, KVTransferConfig
 from pdserve.heap import freeze_startup_heap
+from pdserve.model import kv_dtype
 from pdserve.model.loader import load_model
 from pdserve.model.parallel import TPGroup, kv_head_range, make_group
 from pdserve.model.spec import ModelSpec, resolve_dtype
@@ -66,11 +67,11 @@ class Worker:
         dtype = resolve_dtype(config.dtype, spec)
         self.model = None if config.mock_engine else load_model(config.model, spec, self.tp, dtype,
                                                                   config.quantization)
-        layout = CacheLayout(
-            num_layers=spec.num_layers, num_blocks=num_blocks,
-            num_kv_heads=len(kv_head_range(rank, tp_size, spec.num_kv_heads)), block_size=config.cache.block_size,
-            head_dim=spec.head_dim, dtype_bytes=torch.empty(0, dtype=dtype).element_size())
-        self.kv_cache = KVCache(layout, dtype)
+        kv_name = kv_dtype.resolve(config.cache.kv_cache_dtype, dtype)
+        layout = CacheLayout.for_dtype(spec.num_layers, num_blocks,
+                                       len(kv_head_range(rank, tp_size, spec.num_kv_heads)),
+                                       config.cache.block_size, spec.head_dim, kv_name)
+        self.kv_cache = KVCache(layout, kv_dtype.torch_dtype(kv_name))
         self.runner = MockRunner(self.kv_cache, spec.vocab_size, speedup=config.mock_speedup) \
             if config.mock_engine else ModelRunner(self.model, self.kv_cache)
         self.sampler = Sampler(spec.vocab_size, Matchers(config.model, spec.vocab_size, spec.eos_token_ids)) \
@@ -130,11 +131,7 @@ def kv_connector(config: KVTransferConfig, spec: ModelSpec, rank: int, tp_size: 
     from pdserve.kv_transfer.descriptors import RegionTable
     from pdserve.kv_transfer.worker_side import RegisteredCache, WorkerConnector
     from pdserve.transport.nixl_agent import NixlAgent
-    layout = kv_cache.layout
-    cache = RegisteredCache(kv_cache.base_address, layout.total_bytes, str(kv_cache.buffer.device),
-                            RegionTable(tuple(kv_cache.region_addresses()), layout.block_bytes,
-                                        layout.head_bytes, layout.num_kv_heads, layout.num_blocks))
-    return WorkerConnector(config, spec.num_kv_heads, rank, tp_size, cache, engine_id,
+    return WorkerConnector(config, spec.num_kv_heads, rank, tp_size, kv_cache.registration(), engine_id,
                            lambda name: NixlAgent(name, config.backend), on_report=on_report)
 
 
