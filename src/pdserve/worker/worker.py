@@ -128,8 +128,7 @@ class Worker:
 def kv_connector(config: KVTransferConfig, spec: ModelSpec, rank: int, tp_size: int,
                  kv_cache: KVCache, engine_id: str, on_report: Callable[[], None] = lambda: None):
     """This rank's half of the connector, on its cache, over NIXL."""
-    from pdserve.kv_transfer.descriptors import RegionTable
-    from pdserve.kv_transfer.worker_side import RegisteredCache, WorkerConnector
+    from pdserve.kv_transfer.worker_side import WorkerConnector
     from pdserve.transport.nixl_agent import NixlAgent
     return WorkerConnector(config, spec.num_kv_heads, rank, tp_size, kv_cache.registration(), engine_id,
                            lambda name: NixlAgent(name, config.backend), on_report=on_report)
