@@ -2,13 +2,16 @@
 
 Server process. Latency histograms are observed by the serving layer as tokens stream out; engine
 and connector state is read from the engine thread at scrape time. Names follow vLLM's
-(`vllm:*` -> `pdserve:*`, `nixl_*` kept) so existing dashboards map one to one.
+(`vllm:*` -> `pdserve:*`, `nixl_*` kept), and the ones routers and dashboards read are exported
+a second time under vLLM's own names, labels and buckets (`vllm_metrics.py`), so they read pdserve unchanged.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
+
+from pdserve.server.vllm_metrics import Twin, VLLMMetrics
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -22,18 +25,19 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         labels = ["model_name"]
         self.model = model_name
-        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token.",
-                              labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between output tokens.",
-                             labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "End-to-end request latency.",
-                             labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens processed.", labels,
-                                     registry=r)
-        self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated.", labels,
-                                         registry=r)
-        self.requests = Counter("pdserve:request_success", "Finished requests by reason.",
-                                labels + ["finished_reason"], registry=r)
+        self.vllm = v = VLLMMetrics(model_name, r)
+        self.ttft = Twin(Histogram("pdserve:time_to_first_token_seconds", "Time to first token.",
+                                   labels, buckets=_LATENCY_BUCKETS, registry=r), v.ttft)
+        self.itl = Twin(Histogram("pdserve:inter_token_latency_seconds", "Time between output tokens.",
+                                  labels, buckets=_LATENCY_BUCKETS, registry=r), *v.itl)
+        self.e2e = Twin(Histogram("pdserve:e2e_request_latency_seconds", "End-to-end request latency.",
+                                  labels, buckets=_LATENCY_BUCKETS, registry=r), v.e2e)
+        self.prompt_tokens = Twin(Counter("pdserve:prompt_tokens", "Prompt tokens processed.", labels,
+                                          registry=r), v.prompt_tokens)
+        self.generation_tokens = Twin(Counter("pdserve:generation_tokens", "Tokens generated.", labels,
+                                              registry=r), v.generation_tokens)
+        self.requests = Twin(Counter("pdserve:request_success", "Finished requests by reason.",
+                                     labels + ["finished_reason"], registry=r), v.requests)
         self.errors = Counter("pdserve:request_errors", "Rejected or failed requests by HTTP status.",
                               labels + ["status"], registry=r)
         g = {}
@@ -103,6 +107,7 @@ class ServerMetrics:
         g["kv_blocks_quarantined"].labels(m).set(stats["num_quarantined_blocks"])
         g["kv_cache_usage_perc"].labels(m).set((total - free) / total)
         g["num_preemptions"].labels(m).set(stats["num_preemptions"])
+        self.vllm.update_engine(stats)
         self._counter_values["prompt_tokens_computed"] = stats["num_prompt_tokens_computed"]
         self._counter_values["prefix_cache_queries"] = stats["num_prefix_cache_queries"]
         self._counter_values["prefix_cache_hits"] = stats["num_prefix_cache_hits"]
