@@ -29,7 +29,7 @@ class RequestIdFilter(logging.Filter):
 
 
 # Behind the API key when one is set (/health is not; the proxy's /admin has a key of its own).
-PROTECTED = ("/v1", "/debug", "/metrics", "/kv", "/reset_prefix_cache")
+PROTECTED = ("/v1", "/debug", "/metrics", "/kv", "/reset_prefix_cache", "/tokenize", "/detokenize")  # not /ping, /version
 
 
 class RequestContext:

@@ -19,6 +19,7 @@ from pdserve.heap import PauseTimer, freeze_startup_heap
 from pdserve.http.errors import APIError, install_handlers
 from pdserve.http.heap_metrics import HeapMetrics
 from pdserve.http.middleware import BodyLimit, RequestContext
+from pdserve.http.version import version
 from pdserve.proxy.decision import DisaggPolicy
 from pdserve.proxy.flow import PDFlow
 from pdserve.proxy.kv_index import KVIndex
@@ -71,6 +72,35 @@ def create_app(config: ProxyConfig) -> FastAPI:
         status = await router.probe()
         ok = (any(status["prefill"].values()) or not status["prefill"]) and any(status["decode"].values())
         return JSONResponse(status, status_code=200 if ok else 503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """vLLM's (SageMaker's) health check: /health's status, no body."""
+        return Response(status_code=(await health()).status_code)
+
+    @app.get("/version")
+    async def get_version():
+        return {"version": version()}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await any_instance("/tokenize", await request.body(), request.state.request_id)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await any_instance("/detokenize", await request.body(), request.state.request_id)
+
+    async def any_instance(path: str, raw: bytes, request_id: str) -> Response:
+        """Every instance serves one model with one tokenizer: the first healthy one answers."""
+        body = parse_body(raw)
+        for state in router.decode.candidates() + router.prefill.candidates():
+            try:
+                r = await state.upstream.post_json(path, body, {"X-Request-Id": request_id})
+            except UpstreamError:
+                continue
+            if r.status_code != 503:
+                return Response(r.content, status_code=r.status_code, media_type="application/json")
+        raise APIError(503, "no instance could answer", headers={"Retry-After": "1"})
 
     @app.get("/kv/index")
     async def kv_index(hashes: bool = False):

@@ -34,6 +34,7 @@ from pdserve.http.middleware import Admission, BodyLimit, RequestContext
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pdserve.server.serving_chat import ChatServing
 from pdserve.server.serving_completion import CompletionServing
+from pdserve.server.vllm_routes import add_vllm_routes
 
 logger = logging.getLogger("pdserve.server")
 
@@ -141,6 +142,7 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         return await chat.create(body, request.state.request_id, request)
 
     add_prefix_cache_routes(app, engine)
+    add_vllm_routes(app, engine, chat)
     if server.enable_debug_endpoints:
         from pdserve.server.debug import add_debug_routes
         add_debug_routes(app, engine)
