@@ -179,3 +179,20 @@ def test_numbers_written_by_hand_are_still_read():
         with pytest.raises(InvalidRequestError) as e:
             KVTransferParams.parse({**GOOD, key: value})
         assert e.value.field == f"kv_transfer_params.{key}"
+
+
+def test_the_producers_cached_tokens_travel_signed_and_are_checked():
+    """A consumer reports the prompt tokens its producer found cached (`usage.prompt_tokens_details`)."""
+    import dataclasses
+
+    from pdserve.kv_transfer.signing import sign
+    p = dataclasses.replace(KVTransferParams.parse(GOOD), num_cached_tokens=16, expires_at=2000.0)
+    wire = dataclasses.replace(p, signature=sign(p, b"s")).to_json()
+    assert wire["num_cached_tokens"] == 16
+    check(wire, b"s")
+    with pytest.raises(InvalidRequestError) as e:
+        check({**wire, "num_cached_tokens": 20}, b"s")
+    assert e.value.field == "kv_transfer_params.signature"
+    with pytest.raises(InvalidRequestError) as e:
+        KVTransferParams.parse({**GOOD, "num_cached_tokens": 21}).check_against(list(range(20)), 16, 1, 4, 2, 100)
+    assert e.value.field == "kv_transfer_params.num_cached_tokens"

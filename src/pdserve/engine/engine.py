@@ -213,7 +213,7 @@ class Engine:
                 request.request_id, request.prompt_token_ids, request.block_ids,
                 FirstToken(request.output_token_ids[0], first.logprob if first else None,
                            tuple(first.top) if first and first.top is not None else None),
-                tuple(wire_hash(h) for h in self.pool.block_hashes(request, full)))
+                tuple(wire_hash(h) for h in self.pool.block_hashes(request, full)), request.num_cached_tokens)
         self.scheduler.finish(request, status, handoff.block_ids if handoff else ())
         self.connector.request_finished(request.request_id)
         return handoff.params if handoff else None

@@ -72,4 +72,13 @@ class OutputProcessor:
         return RequestOutput(
             request_id=request.request_id, new_token_ids=token_ids, new_text=text,
             new_logprobs=logprobs, finished=finished,
-            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens)
+            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=_cached_tokens(request))
+
+
+def _cached_tokens(request: Request) -> int:
+    """A P/D consumer reports what its producer found cached: the prompt was prefilled there (its
+    own hits only spared READs), so the client sees what one instance would report."""
+    kv = request.kv_transfer
+    if kv is not None and kv.do_remote_prefill and kv.num_cached_tokens is not None:
+        return kv.num_cached_tokens
+    return request.num_cached_tokens

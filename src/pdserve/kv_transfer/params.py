@@ -97,6 +97,8 @@ class KVTransferParams:
     block_hashes: tuple[str, ...] | None = None  # the producer's content hashes of the prompt's full
     # blocks (prefix_cache.hashing.wire_hash): the consumer reuses a block it holds only where they agree
     lease_s: float | None = None
+    num_cached_tokens: int | None = None  # prompt tokens the producer did not compute (its prefix
+    # cache, a pull): what the consumer reports as `usage.prompt_tokens_details.cached_tokens`
     expires_at: float | None = None  # wall clock: the consumer must accept the params before
     signature: str | None = None  # the producer's HMAC over every other field (signing.py)
     kv_holders: tuple[Holder, ...] = ()  # proxy -> P: instances to claim the prompt's blocks from
@@ -124,6 +126,7 @@ class KVTransferParams:
             prompt_hash=p.str("prompt_hash"),
             block_hashes=p.hex_list("block_hashes", 16),
             lease_s=p.float("lease_s", lo=0.0, hi=MAX_LEASE_S),
+            num_cached_tokens=p.int("num_cached_tokens", lo=0, hi=INT32),
             expires_at=p.float("expires_at", lo=0.0, hi=1e11),
             signature=p.hex("signature", 64),
             kv_holders=p.holders("kv_holders"),
@@ -159,6 +162,9 @@ class KVTransferParams:
                 f"{FIELD}.block_hashes",
                 f"has {len(self.block_hashes)} hashes but the prompt of {len(prompt_token_ids)} tokens has "
                 f"{len(prompt_token_ids) // block_size} full blocks of {block_size} tokens")
+        if self.num_cached_tokens is not None and self.num_cached_tokens > len(prompt_token_ids):
+            raise InvalidRequestError(f"{FIELD}.num_cached_tokens",
+                                      f"{self.num_cached_tokens} is more than the prompt's {len(prompt_token_ids)} tokens")
         if self.prompt_hash is not None and self.prompt_hash != prompt_hash(prompt_token_ids):
             raise InvalidRequestError(f"{FIELD}.prompt_hash",
                                       "does not match this request's prompt tokens")
@@ -195,6 +201,8 @@ class KVTransferParams:
         }
         if self.block_hashes is not None:
             out["block_hashes"] = list(self.block_hashes)
+        if self.num_cached_tokens is not None:
+            out["num_cached_tokens"] = self.num_cached_tokens
         if self.first_token.logprob is not None:
             out["first_token_logprob"] = wire_float(self.first_token.logprob)
         if self.first_token.top_logprobs is not None:

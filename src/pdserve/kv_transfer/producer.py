@@ -81,9 +81,10 @@ class ProducerSide:
     # --- engine thread --------------------------------------------------------------------------
 
     def hand_off(self, request_id: str, prompt_token_ids: list[int], block_ids: list[int],
-                 first_token: FirstToken, block_hashes: tuple[str, ...]) -> Handoff:
+                 first_token: FirstToken, block_hashes: tuple[str, ...], num_cached_tokens: int = 0) -> Handoff:
         """The prompt's blocks go to a lease (the first token's block, if it has its own, does not).
-        `block_hashes`: the content hashes of the prompt's full blocks, signed with the rest."""
+        `block_hashes`: the content hashes of the prompt's full blocks, signed with the rest;
+        `num_cached_tokens`: the prompt tokens this instance did not compute, for the consumer to report."""
         num_blocks = -(-len(prompt_token_ids) // self.fingerprint.block_size)
         kept = list(block_ids[:num_blocks])
         params = KVTransferParams(
@@ -91,6 +92,7 @@ class ProducerSide:
             remote_port=self.server.port, remote_block_ids=tuple(kept), remote_request_id=request_id,
             producer_tp_size=len(self.rank_agents), first_token=first_token,
             prompt_hash=prompt_hash(prompt_token_ids), block_hashes=block_hashes, lease_s=self.config.lease_s,
+            num_cached_tokens=num_cached_tokens,
             expires_at=round(time.time() + self.config.lease_s, 3))
         if self.config.secret is not None:
             params = dataclasses.replace(params, signature=sign(params, self.config.secret))

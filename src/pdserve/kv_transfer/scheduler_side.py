@@ -64,8 +64,9 @@ class SchedulerConnector:
         return self.consumer.abort(request_id)
 
     def hand_off(self, request_id: str, prompt_token_ids: list[int], block_ids: list[int],
-                 first_token: FirstToken, block_hashes: tuple[str, ...]) -> Handoff:
-        return self.producer.hand_off(request_id, prompt_token_ids, block_ids, first_token, block_hashes)
+                 first_token: FirstToken, block_hashes: tuple[str, ...], num_cached_tokens: int = 0) -> Handoff:
+        return self.producer.hand_off(request_id, prompt_token_ids, block_ids, first_token, block_hashes,
+                                      num_cached_tokens)
 
     def request_finished(self, request_id: str) -> None:
         self.consumer.finished(request_id)

@@ -93,6 +93,9 @@ async def as_stream(full: dict, request: dict):
     """A complete (non-streamed) producer answer, re-sent as SSE chunks in vLLM's shape."""
     chat = full.get("object") == "chat.completion"
     base = {"id": full["id"], "created": full["created"], "model": full["model"]}
+    options = request.get("stream_options") or {}
+    if options.get("include_usage") and options.get("continuous_usage_stats"):  # on every chunk (vLLM)
+        base["usage"] = full.get("usage")
     for choice in full["choices"]:
         if chat:
             delta = {"role": "assistant", "content": choice["message"]["content"]}
@@ -102,7 +105,7 @@ async def as_stream(full: dict, request: dict):
         else:
             chunk = {**base, "object": "text_completion", "choices": [choice]}
         yield f"data: {json.dumps(chunk)}\n\n"
-    if (request.get("stream_options") or {}).get("include_usage"):
+    if options.get("include_usage"):
         obj = "chat.completion.chunk" if chat else "text_completion"
         yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': full.get('usage')})}\n\n"
     yield "data: [DONE]\n\n"

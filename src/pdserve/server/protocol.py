@@ -79,6 +79,7 @@ class StructuredOutputsParams(BaseModel):
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
+    max_completion_tokens: int | None = None  # vLLM accepts it here too; it wins over max_tokens
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

@@ -253,6 +253,27 @@ class BaseServing:
 
 
 
+def continuous_usage(req) -> bool:
+    """vLLM's `stream_options.continuous_usage_stats`: with `include_usage`, every chunk carries
+    the usage so far."""
+    return bool(req.stream_options and req.stream_options.include_usage
+                and req.stream_options.continuous_usage_stats)
+
+
+def with_usage(chunk):
+    """`chunk(choice, out)` whose answer carries that choice's usage so far (prompt, tokens sent)."""
+    def chunk_with_usage(choice: Choice, out):
+        body = chunk(choice, out)
+        body.usage = running_usage(choice.num_prompt_tokens, len(choice.token_ids))
+        return body
+    return chunk_with_usage
+
+
+def running_usage(num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                 total_tokens=num_prompt_tokens + num_completion_tokens)
+
+
 def _first(*values):
     return next((v for v in values if v is not None), None)
 

@@ -13,7 +13,8 @@ from pdserve.server.protocol import (ChatChoice, ChatCompletionChunk, ChatComple
                                      ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
                                      ChatStreamChoice, ChatTokenLogprob, ChatTopLogprob,
                                      DeltaMessage)
-from pdserve.server.serving import MAX_CHARS_PER_TOKEN, BaseServing, Choice, sse
+from pdserve.server.serving import (MAX_CHARS_PER_TOKEN, BaseServing, Choice, continuous_usage, running_usage,
+                                    sse, with_usage)
 from pdserve.text.chat_template import ChatTemplateError
 from pdserve.text.prompts import PromptError, chat_messages, chat_prompt_ids
 from pdserve.text.template_sandbox import TemplateBusyError, TemplateSandbox
@@ -63,7 +64,7 @@ class ChatServing(BaseServing):
         choices, streams = await self.start(request_id, [prompt], params, kv, req.cache_salt)
         response_id = f"chatcmpl-{request_id}"
         if req.stream:
-            return StreamingResponse(self._stream(req, response_id, choices, streams),
+            return StreamingResponse(self._stream(req, response_id, choices, streams, len(prompt)),
                                      media_type="text/event-stream")
         await self.collect(raw_request, choices, streams)
         body = ChatCompletionResponse(
@@ -79,7 +80,7 @@ class ChatServing(BaseServing):
         return JSONResponse(body.model_dump())
 
     async def _stream(self, req: ChatCompletionRequest, response_id: str, choices: list[Choice],
-                      streams):
+                      streams, num_prompt_tokens: int):
         def chunk(choice: Choice, out) -> ChatCompletionChunk:
             logprobs = self._logprobs(out.new_logprobs) if out.new_logprobs is not None else None
             return ChatCompletionChunk(
@@ -93,9 +94,13 @@ class ChatServing(BaseServing):
         def usage() -> ChatCompletionChunk:
             return ChatCompletionChunk(id=response_id, model=self.model_name, choices=[],
                                        usage=self.usage(choices, 1, req.n))
+        continuous = continuous_usage(req)
         for c in choices:  # the role comes first, as OpenAI streams it
             yield sse(ChatCompletionChunk(id=response_id, model=self.model_name, choices=[
-                ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
+                ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))],
+                usage=running_usage(num_prompt_tokens, 0) if continuous else None))
+        if continuous:
+            chunk = with_usage(chunk)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         async for event in self.events(choices, streams, chunk, usage if include_usage else None):
             yield event

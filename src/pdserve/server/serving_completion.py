@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pdserve.sampling_params import InvalidRequestError
 from pdserve.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                      CompletionResponse)
-from pdserve.server.serving import BaseServing, Choice
+from pdserve.server.serving import BaseServing, Choice, continuous_usage, with_usage
 
 
 class CompletionServing(BaseServing):
@@ -29,6 +29,8 @@ class CompletionServing(BaseServing):
 
     async def create(self, req: CompletionRequest, request_id: str, raw_request):
         self.check_model(req.model)
+        if req.max_completion_tokens is not None:  # vLLM's alias, as on chat: it wins
+            req.max_tokens = req.max_completion_tokens
         if req.echo or req.suffix:
             raise InvalidRequestError("echo" if req.echo else "suffix", "is not supported")
         prompts = await asyncio.to_thread(self.prompts, req)  # tokenizing never blocks the event loop
@@ -73,6 +75,8 @@ class CompletionServing(BaseServing):
             return CompletionResponse(id=response_id, model=self.model_name, choices=[],
                                       usage=self.usage(choices, num_prompts, req.n))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if continuous_usage(req):
+            chunk = with_usage(chunk)
         return self.events(choices, streams, chunk, usage if include_usage else None)
 
     def _logprobs(self, entries, text_offset: int) -> CompletionLogprobs:
