@@ -56,8 +56,8 @@ def test_round_robin_takes_turns_whatever_the_load():
 
 def test_a_decode_instance_holding_most_of_the_prompt_prefills_the_rest_itself():
     r = router("kv-aware", {"http://d1": 15})  # d1 caches 240 of the 320 tokens
-    for _ in range(3):
-        plan = place(r, PROMPT)
+    for i in range(3):  # arrivals a minute apart: nothing placed earlier is still being computed
+        plan = place(r, PROMPT, now=60.0 * i)
         assert plan.decode[0].url == "http://d1" and plan.decode_uncached == 80 and plan.local
 
 
@@ -81,9 +81,9 @@ def test_cold_prompts_go_to_a_producer_and_spread_over_decode():
 
 def test_a_local_prefill_is_only_as_long_as_the_stall_budget():
     r = router("kv-aware", {"http://d1": 4})  # d1 holds 64 tokens: 256 left, 0.26 s at 1,000 tok/s
-    assert not place(r, PROMPT).local
+    assert not place(r, PROMPT, now=0.0).local
     r.decode.states[1].prefill_tokens_per_s = 4000.0  # measured fast enough: 64 ms
-    assert place(r, PROMPT).local
+    assert place(r, PROMPT, now=60.0).local
 
 
 def test_least_loaded_ignores_caches():
@@ -115,4 +115,59 @@ def test_healthy_instances_come_first_under_every_policy():
     for policy in ("round-robin", "least-loaded"):
         assert order(policy, r.decode.states, 0)[0].url == "http://d1"
     plan = place(r, PROMPT)
-    assert plan.decode[0].url == "http://d1" and [s.url for s in plan.holders] == ["http://d1"]
+    assert plan.decode[0].url == "http://d1" and "http://d0" not in [s.url for s in plan.holders]
+
+
+def test_a_producer_pulls_what_another_producer_caches_so_the_idle_one_is_chosen():
+    r = router("kv-aware", {"http://p0": 15})  # p0 computed this prompt's 240 leading tokens
+    r.prefill.states[0].outstanding = 2  # and is busy now
+    plan = place(r, PROMPT)
+    assert plan.prefill[0].url == "http://p1"  # idle: it pulls p0's blocks instead of computing them
+    assert plan.holders[0].url == "http://p0"  # named to p1 as the holder to claim them from
+
+
+def test_the_chosen_producer_is_not_named_a_holder_to_itself():
+    r = router("kv-aware", {"http://p0": 15, "http://d1": 10})
+    for _ in range(2):  # equal producers take turns: each is chosen once
+        plan = place(r, PROMPT)
+        best = ["http://d1"] if plan.prefill[0].url == "http://p0" else ["http://p0", "http://d1"]
+        assert plan.prefill[0] not in plan.holders and [s.url for s in plan.holders][:len(best)] == best
+
+
+def test_producers_share_requests_when_one_of_them_caches_the_shared_prefix():
+    r = router("kv-aware", {"http://p0": 8}, num_prefill=4)  # p0 holds a system prompt every request shares
+    chosen = []
+    for _ in range(8):  # requests arriving together: each waits until its first token
+        plan = place(r, PROMPT)
+        plan.prefill[0].outstanding += 1
+        chosen.append(plan.prefill[0].url)
+    assert {u: chosen.count(u) for u in set(chosen)} == {f"http://p{i}": 2 for i in range(4)}
+
+
+def test_siblings_arriving_together_go_where_their_shared_prefix_is_being_computed():
+    r = router("kv-aware", {}, num_prefill=4)  # nobody caches the prompt yet
+    first = place(r, PROMPT, now=100.0)
+    first.prefill[0].outstanding += 1  # its prefill is under way there
+    for _ in range(3):  # siblings with the same prompt, before the index knows of it
+        plan = place(r, PROMPT, now=100.1)
+        assert plan.prefill[0] is first.prefill[0]
+        assert first.prefill[0] not in plan.holders  # blocks being computed cannot be claimed yet
+
+
+def test_what_an_instance_is_computing_is_forgotten_once_it_should_be_done():
+    r = router("kv-aware", {}, num_prefill=4)
+    first = place(r, PROMPT, now=100.0)
+    later = place(r, PROMPT, now=130.0)  # long after: if it were cached, the index would say so
+    assert later.prefill[0] is not first.prefill[0]  # equals take turns again
+
+
+def test_instances_whose_predicted_times_differ_by_noise_take_turns():
+    r = router("kv-aware", {}, num_prefill=4)
+    for i, s in enumerate(r.prefill.states + r.decode.states):  # measured rates differ by a few percent
+        s.prefill_tokens_per_s = 1000.0 + 7 * i
+    producers, decoders = set(), set()
+    for i in range(8):  # one at a time, each done before the next (a minute apart)
+        plan = place(r, PROMPT, now=60.0 * i)
+        producers.add(plan.prefill[0].url)
+        decoders.add(plan.decode[0].url)
+    assert len(producers) == 4 and len(decoders) == 2

@@ -9,8 +9,9 @@ of a deployment are alike, and DEFAULT_TOKENS_PER_S before any has):
     TTFT(P, D) = REMOTE_OVERHEAD_S + (queue of P + prompt tokens P lacks) / P's prefill rate
                  + blocks D lacks moved over the fabric + D's queue / D's prefill rate
 
-A producer lacks what neither its own cache nor a decode instance it can pull from holds
-(kv_transfer/pull.py: worth it from PULL_MIN_TOKENS on). Prefilling on D instead ("local") costs
+A producer lacks what neither its own cache nor another instance it can pull from holds
+(kv_transfer/pull.py: worth it from PULL_MIN_TOKENS on): producers claim from each other as from
+decode, so the one with the best cache draws no more requests than the others. Prefilling on D instead ("local") costs
 (D's queue + tokens D lacks) / D's rate, and is allowed only when D holds part of the prompt and the
 prefill stalls D's running streams for at most STALL_BUDGET_S. Every queued request weighs as
 LOAD_TOKENS prompt tokens and every stream a decode instance runs as STREAM_TOKENS, so the best
@@ -21,6 +22,7 @@ policies ignore caches and times (policy.py).
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from pdserve.proxy.policy import LOAD_TOKENS
 from pdserve.proxy.prompts import block_hashes
@@ -32,6 +34,9 @@ TRANSFER_S_PER_BLOCK = 5e-5  # moving one block between instances (KV transfer b
 REMOTE_OVERHEAD_S = 0.01  # the producer's leg: a second HTTP exchange, its step, the hand-off
 STALL_BUDGET_S = 0.1  # a local prefill may hold decode's running streams this long
 STREAM_TOKENS = 32  # a stream a decode instance runs weighs as this many prompt tokens
+NEAR, NEAR_S = 0.1, 0.002  # predicted times within 10 % + 2 ms of the fastest count as equal
+COMPUTING_S = 1.0  # a prompt placed on an instance counts as cached there this long past its predicted
+# prefill; by then the instance's KV events have told the index what it caches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,17 +46,19 @@ class Placement:
     num_tokens: int | None = None  # the prompt's, when the proxy could tokenize it
     decode_uncached: int | None = None  # of which the first decode candidate lacks (kv-aware)
     local: bool = False  # kv-aware: prefilling on that decode instance is predicted fastest
-    holders: list[UpstreamState] = dataclasses.field(default_factory=list)  # healthy decode instances a
-    # producer may claim the prompt's blocks from: best cache first (kv-aware), else least loaded first
+    holders: list[UpstreamState] = dataclasses.field(default_factory=list)  # healthy instances a producer
+    # may claim the prompt's blocks from: any caching some, best first, but the chosen producer (kv-aware);
+    # else decode instances, least loaded first
 
 
-def place(router: Router, ids: list[int] | None, cache_salt=None) -> Placement:
+def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | None = None) -> Placement:
     policy = router.policy
     n = len(ids) if ids is not None else None
     if ids is None or policy != "kv-aware" or router.index is None:  # holders: least loaded first
         holders = [s for s in sorted(router.decode.states, key=UpstreamState.score) if s.healthy]
         return Placement(router.decode.ordered(policy), router.prefill.ordered(policy), n, holders=holders)
-    cached = _Cached(router, ids, cache_salt)
+    now = time.monotonic() if now is None else now
+    cached = _Cached(router, ids, cache_salt, now)
     measured = [s.prefill_tokens_per_s for s in router.prefill.states + router.decode.states
                 if s.prefill_tokens_per_s > 0]
     typical = sum(measured) / len(measured) if measured else DEFAULT_TOKENS_PER_S  # instances are alike
@@ -60,19 +67,22 @@ def place(router: Router, ids: list[int] | None, cache_salt=None) -> Placement:
         return state.prefill_tokens_per_s or typical
 
     decodes = router.decode.states
-    best_holder = max((cached(s) for s in decodes if s.healthy), default=0)
+    caches = sorted((s for s in router.prefill.states + decodes if s.healthy), key=lambda s: -cached(s))
+
+    def pullable(p: UpstreamState) -> int:  # the most another instance caches: p may claim it there
+        return max((cached.held(s) for s in caches if s is not p), default=0)
 
     def producer_s(p: UpstreamState) -> float:
-        own = cached(p)
-        have = best_holder if best_holder - own >= PULL_MIN_TOKENS else own
+        own, other = cached(p), pullable(p)
+        have = other if other - own >= PULL_MIN_TOKENS else own
         return (LOAD_TOKENS * (p.outstanding + p.queued) + n - have) / rate(p)
 
     def decode_s(d: UpstreamState) -> float:
         lacks_blocks = -(-(n - cached(d)) // _block_size(d))
         return lacks_blocks * TRANSFER_S_PER_BLOCK + _queue_tokens(d) / rate(d)
 
-    prefill = sorted(router.prefill.rotated(), key=lambda p: (not p.healthy, producer_s(p)))
-    remote = sorted(router.decode.rotated(), key=lambda d: (not d.healthy, decode_s(d)))
+    prefill = _ranked(router.prefill.rotated(), producer_s)
+    remote = _ranked(router.decode.rotated(), decode_s)
     remote_s = REMOTE_OVERHEAD_S + (producer_s(prefill[0]) if prefill else float("inf")) \
         + (decode_s(remote[0]) if remote else 0)
 
@@ -83,8 +93,23 @@ def place(router: Router, ids: list[int] | None, cache_salt=None) -> Placement:
     is_local = nearest is not None and local_s(nearest) <= remote_s
     first = nearest if is_local else (remote[0] if remote else None)
     decode = [first] + [d for d in remote if d is not first] if first is not None else remote
-    holders = sorted((d for d in decodes if d.healthy), key=lambda d: -cached(d))
+    holders = sorted((s for s in caches if cached.held(s) and (not prefill or s is not prefill[0])),
+                     key=lambda s: -cached.held(s))
+    computer = first if is_local else (prefill[0] if prefill else None)
+    if computer is not None:  # siblings that follow soon find the prompt there (before the index does)
+        cached.computing(computer, now + COMPUTING_S + (local_s(computer) if is_local else producer_s(computer)))
     return Placement(decode, prefill, n, n - cached(first) if first is not None else n, is_local, holders)
+
+
+def _ranked(rotated: list[UpstreamState], seconds) -> list[UpstreamState]:
+    """Healthy first, fastest first; those within NEAR of the fastest count as equal and take turns
+    (rates measured on alike instances differ by noise: the fastest-measured must not draw all)."""
+    ranked = sorted(rotated, key=lambda s: (not s.healthy, seconds(s)))
+    if not ranked or not ranked[0].healthy:
+        return ranked
+    best = seconds(ranked[0])
+    near = [s for s in rotated if s.healthy and seconds(s) <= best * (1 + NEAR) + NEAR_S]
+    return near + [s for s in ranked if s not in near]
 
 
 def _queue_tokens(d: UpstreamState) -> int:
@@ -98,23 +123,41 @@ def _block_size(state: UpstreamState) -> int:
 
 
 class _Cached:
-    """Prompt tokens an instance caches, from the index (hashed once per way of hashing)."""
+    """Prompt tokens an instance caches: `held` from the index (what it can hand out now), and when
+    called, with what this proxy placed there to be computed since (hashed once per way of hashing)."""
 
-    def __init__(self, router: Router, ids: list[int], cache_salt):
-        self.router, self.ids, self.salt = router, ids, cache_salt
+    def __init__(self, router: Router, ids: list[int], cache_salt, now: float):
+        self.router, self.ids, self.salt, self.now = router, ids, cache_salt, now
         self._hashes: dict[tuple[str, int], list[int]] = {}
+        self._held: dict[str, int] = {}
         self._memo: dict[str, int] = {}
 
     def __call__(self, state: UpstreamState) -> int:
         if state.url not in self._memo:
-            self._memo[state.url] = self._count(state)
+            held, hashes = self.held(state), self._of(state)
+            blocks = held // _block_size(state)
+            while blocks < len(hashes) and state.computing.get(hashes[blocks], 0) > self.now:
+                blocks += 1
+            self._memo[state.url] = max(held, blocks * _block_size(state))
         return self._memo[state.url]
 
-    def _count(self, state: UpstreamState) -> int:
+    def held(self, state: UpstreamState) -> int:
+        if state.url not in self._held:
+            hashes = self._of(state)
+            self._held[state.url] = hashes and self.router.index.cached_blocks(state.url, hashes) * _block_size(state)
+        return self._held[state.url]
+
+    def computing(self, state: UpstreamState, until: float) -> None:
+        """The prompt's blocks `state` lacks are being computed there until `until` (forgotten after)."""
+        state.computing = {h: t for h, t in state.computing.items() if t > self.now}
+        for h in self._of(state)[self(state) // _block_size(state):]:
+            state.computing[h] = until
+
+    def _of(self, state: UpstreamState) -> list[int]:
         info = state.prefix_cache
         if info is None or not info.enabled:
-            return 0
+            return []
         key = (info.model_key, info.block_size)
         if key not in self._hashes:
             self._hashes[key] = block_hashes(self.ids, info, self.salt)
-        return self.router.index.cached_blocks(state.url, self._hashes[key]) * info.block_size
+        return self._hashes[key]

@@ -1,8 +1,8 @@
 """The prompt of a client's request as the instances will see it: token ids (the same tokenizer,
 template and rules as the server, text/prompts.py) and the content hashes of its full blocks.
 
-Proxy process (event loop: a ~1,700-token chat takes ~2.4 ms, nearly all of it the tokenizer's
-encode). A request the proxy cannot tokenize exactly (several prompts, a template the request brings,
+Proxy process (event loop). A chat is encoded by pieces (pieces.py): a conversation's next turn
+encodes only its new messages. A request the proxy cannot tokenize exactly (several prompts, a template the request brings,
 anything malformed: the instance will judge it) has no ids; it is routed by load alone.
 """
 
@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from pdserve.health import PrefixCacheInfo
 from pdserve.prefix_cache.hashing import event_hash, extra_keys, hash_blocks
-from pdserve.text.prompts import chat_messages, chat_prompt_ids, text_prompt_ids
+from pdserve.proxy.pieces import PieceEncoder
+from pdserve.text.prompts import chat_messages, text_prompt_ids
 from pdserve.text.tokenizer import Tokenizer
 
 
 class PromptTokens:
     def __init__(self, model_dir: str):
         self.tokenizer = Tokenizer(model_dir)
+        self.pieces = PieceEncoder(self.tokenizer)  # as text/prompts.py's chat_prompt_ids, remembered
 
     def ids(self, body: dict, path: str) -> list[int] | None:
         try:
@@ -42,7 +44,7 @@ class PromptTokens:
             chat_messages(body["messages"]), body.get("add_generation_prompt", True),
             continue_final_message=bool(body.get("continue_final_message", False)),
             template_kwargs=kwargs if isinstance(kwargs, dict) else None)
-        return chat_prompt_ids(self.tokenizer, text)
+        return self.pieces.encode(text)
 
 
 def block_hashes(ids: list[int], info: PrefixCacheInfo, cache_salt) -> list[int]:

@@ -40,6 +40,8 @@ class UpstreamState:
     engine_id: str = ""  # as its last report said (a restarted instance is a new engine)
     prefix_cache: PrefixCacheInfo | None = None  # how it hashes blocks (for the KV index)
     prefill_tokens_per_s: float = 0.0  # as it measured its own steps (0: not yet)
+    computing: dict = dataclasses.field(default_factory=dict)  # block hash -> until when this proxy
+    # expects the instance to be computing that block of a prompt it placed there (placement.py)
     last_probe: float = 0.0
 
     @property

