@@ -21,6 +21,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_events import KVEvents
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Request, RequestStatus, TransferState
+from pdserve.engine.sampling_controls import logits_controls
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.health import Load
 from pdserve.kv_transfer.messages import ConnectorMetadata, Fingerprint
@@ -144,6 +145,8 @@ class Engine:
                 raise InvalidRequestError("kv_transfer_params.first_token_logprob",
                                           "is required when logprobs are requested (send the "
                                           "request to the producer with logprobs too)")
+        controls = logits_controls(params, self.tokenizer, self.eos_token_ids, self.spec.vocab_size,
+                                   producer=kv_transfer is not None and kv_transfer.do_remote_decode)
         self._check_capacity(n)
         self.connector.add_request(request_id, kv_transfer)  # the last check: nothing raises after it
         max_tokens = self.max_model_len - n
@@ -151,6 +154,7 @@ class Engine:
             max_tokens = min(max_tokens, params.max_tokens)
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_tokens,
                           kv_transfer, cache_salt)
+        request.logits_controls = controls
         self.output_processor.start(request)
         self.num_prompt_tokens += n
         self.scheduler.add(request)

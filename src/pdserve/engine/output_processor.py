@@ -1,8 +1,9 @@
 """Turns each sampled token into a `RequestOutput` delta and decides whether the request is done.
 
 Engine process, once per sampled token. Stop rules, in order: a stop token id (EOS unless
-`ignore_eos`), stop strings on the detokenized text, the P/D hand-off (a producer's request ends
-after its first token, whatever `max_tokens` says), then `max_tokens` / the context length.
+`ignore_eos`) once `min_tokens` were generated, stop strings on the detokenized text once more than
+that (vLLM's rules), the P/D hand-off (a producer's request ends after its first token, whatever
+`max_tokens` says), then `max_tokens` / the context length.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ class OutputProcessor:
         new_text = request.detok.add(token_id)
         request.output_text += new_text
         status = None
-        if token_id in request.stop_token_ids:
+        num_out = len(request.output_token_ids)
+        if token_id in request.stop_token_ids and num_out >= request.params.min_tokens:
             status = RequestStatus.FINISHED_STOPPED
             if token_id in request.params.stop_token_ids:
                 request.stop_reason = token_id
-        elif request.params.stop and (hit := find_stop(request.output_text, len(new_text),
-                                                       request.params.stop)):
+        elif request.params.stop and num_out > request.params.min_tokens and (
+                hit := find_stop(request.output_text, len(new_text), request.params.stop)):
             stop, index = hit
             end = index + len(stop) if request.params.include_stop_str_in_output else index
             request.output_text = request.output_text[:end]

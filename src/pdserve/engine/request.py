@@ -68,6 +68,7 @@ class Request:
         self.pull_tried = False  # a producer request asked holders for its uncached blocks once
         self.transfer = TransferState.initial(kv_transfer)
         self.stop_reason: str | int | None = None
+        self.logits_controls = None  # for rank 0's sampler (engine/sampling_controls.py), set by the engine
         # detokenization state (see text/detokenizer.py)
         self.detok = None
         self.output_text = ""

@@ -16,6 +16,7 @@ from collections import deque
 from pdserve.config import SchedulerConfig
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request, RequestStatus, TransferState
+from pdserve.engine.sampling_controls import with_history
 from pdserve.kv_transfer.outcomes import RemoteLoad, RemotePull
 from pdserve.prefix_cache.hashing import wire_hash
 from pdserve.worker.messages import GrammarSpec, NewRequest, SamplingSpec, ScheduledChunk
@@ -314,6 +315,9 @@ class Scheduler:
 def _sampling_spec(request: Request) -> SamplingSpec:
     p = request.params
     presampled = 1 if request.kv_transfer is not None and request.kv_transfer.do_remote_prefill else 0
+    controls = request.logits_controls
+    if controls is not None:
+        controls = with_history(controls, request.prompt_token_ids, request.output_token_ids)
     return SamplingSpec(
         temperature=p.temperature,
         top_p=p.top_p,
@@ -321,6 +325,8 @@ def _sampling_spec(request: Request) -> SamplingSpec:
         seed=p.seed,
         num_logprobs=p.logprobs,
         num_presampled=presampled,
+        min_p=p.min_p,
+        controls=controls,
         grammar=_grammar_spec(request),
     )
 

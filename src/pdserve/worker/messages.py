@@ -20,6 +20,22 @@ class GrammarSpec(msgspec.Struct, frozen=True):
     prefix_ids: list[int] = []
 
 
+class LogitsControls(msgspec.Struct, frozen=True):
+    """A request's controls that change its logits before sampling, in vLLM's semantics
+    (worker/logits_controls.py), and the history they count. A request with none has no struct."""
+
+    logit_bias: list[tuple[int, float]] = []
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] = []  # each banned as its last token after the others
+    min_tokens: int = 0
+    min_tokens_stop_ids: list[int] = []  # masked while fewer outputs: stop_token_ids and EOS
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    prompt_token_ids: list[int] | None = None  # repetition_penalty counts the prompt's tokens
+    output_token_ids: list[int] = []  # generated before rank 0 knew it (a P/D consumer's first)
+
+
 class SamplingSpec(msgspec.Struct, frozen=True):
     temperature: float
     top_p: float
@@ -27,6 +43,8 @@ class SamplingSpec(msgspec.Struct, frozen=True):
     seed: int | None
     num_logprobs: int | None
     num_presampled: int = 0  # tokens already drawn elsewhere (the P/D producer's first token)
+    min_p: float = 0.0
+    controls: LogitsControls | None = None
     grammar: GrammarSpec | None = None  # structured outputs: the sampler masks by it (structured/)
 
 

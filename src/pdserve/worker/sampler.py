@@ -4,6 +4,8 @@ Runs in rank 0 only, once per step. Sampling draws one exponential vector per sa
 (`argmax(p / q)`, q ~ Exp(1)), so a seeded request consumes its generator identically whether it runs
 alone, batched, after preemption, or continues from a P/D producer's first token (`num_presampled`).
 Logprobs are those of the raw model output, before temperature and truncation, as vLLM reports them.
+Per-request logits controls (logit_bias, penalties, ...: logits_controls.py) adjust a copy of their
+own rows (`adjusted`); a batch whose requests have none pays nothing for them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from pdserve.model.fused import argmax_logsumexp
 from pdserve.sampling_params import StructuredOutputs
 from pdserve.structured.matchers import Matchers
+from pdserve.worker.logits_controls import RequestControls, apply_controls
 from pdserve.worker.messages import SampledToken, SamplingSpec
 
 _GREEDY_EPS = 1e-5
@@ -24,6 +27,7 @@ class Sampler:
         self.grammars = grammars  # structured outputs; None: this sampler refuses none, masks none
         self.specs: dict[str, SamplingSpec] = {}
         self.generators: dict[str, torch.Generator] = {}
+        self.controls: dict[str, RequestControls] = {}
         self.shared = torch.Generator()
         self.shared.seed()
 
@@ -34,6 +38,8 @@ class Sampler:
             for _ in range(spec.num_presampled):
                 self._noise(g)
             self.generators[request_id] = g
+        if spec.controls is not None:
+            self.controls[request_id] = RequestControls(spec.controls, self.vocab_size)
         if spec.grammar is not None and self.grammars is not None:
             g = spec.grammar
             self.grammars.add(request_id, StructuredOutputs(g.kind, g.value), g.prefix_ids)
@@ -41,8 +47,19 @@ class Sampler:
     def remove(self, request_id: str) -> None:
         self.specs.pop(request_id, None)
         self.generators.pop(request_id, None)
+        self.controls.pop(request_id, None)
         if self.grammars is not None:
             self.grammars.remove(request_id)
+
+    def adjusted(self, logits: torch.Tensor, request_ids: list[str]) -> tuple[list[int], torch.Tensor | None]:
+        """The rows whose requests adjust their logits before sampling, and those rows adjusted
+        ([len(rows), vocab], a copy: logprobs stay the raw model's). ([], None) when none does."""
+        rows = [i for i, rid in enumerate(request_ids) if rid in self.controls]
+        if not rows:
+            return rows, None
+        x = logits[rows]  # advanced indexing copies
+        apply_controls(x, [self.controls[request_ids[i]] for i in rows])
+        return rows, x
 
     def sample(self, logits: torch.Tensor, request_ids: list[str]) -> list[SampledToken]:
         """logits: [rows, vocab] float32, one row per request id."""
@@ -50,10 +67,18 @@ class Sampler:
             self.grammars.mask(logits, request_ids)
         greedy, lse = argmax_logsumexp(logits)  # log_softmax(x) = x - logsumexp(x)
         tokens = greedy.tolist()
+        rows, adjusted = self.adjusted(logits, request_ids)
+        if adjusted is not None:
+            for i, token in zip(rows, adjusted.argmax(dim=-1).tolist()):
+                tokens[i] = token
+        row_of = {i: j for j, i in enumerate(rows)}
         for i, rid in enumerate(request_ids):
             spec = self.specs[rid]
             if spec.temperature >= _GREEDY_EPS:
-                tokens[i] = self._sample_row(logits[i], spec, self.generators.get(rid, self.shared))
+                row = adjusted[row_of[i]] if i in row_of else logits[i]
+                tokens[i] = self._sample_row(row, spec, self.generators.get(rid, self.shared))
+        for i in rows:
+            self.controls[request_ids[i]].append(tokens[i])
         if self.grammars:
             self.grammars.accept(request_ids, tokens)
         token_lp = (logits.gather(1, torch.tensor(tokens)[:, None])[:, 0] - lse).tolist()
@@ -76,6 +101,9 @@ class Sampler:
 
     def _sample_row(self, row: torch.Tensor, spec: SamplingSpec, g: torch.Generator) -> int:
         row = row / spec.temperature
+        if spec.min_p > 0:  # vLLM's: after temperature, before top-k / top-p
+            probs = torch.softmax(row, dim=-1)
+            row = row.masked_fill(probs < spec.min_p * probs.max(), float("-inf"))
         if 0 < spec.top_k < row.shape[-1]:
             kth = row.topk(spec.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
