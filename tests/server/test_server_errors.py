@@ -41,7 +41,11 @@ CASES = [
      "kv_transfer_params.remote_engine_id"),
     ({"prompt": "x", "n": 2, "kv_transfer_params": {"do_remote_decode": True}}, 400, "n"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
-    ({"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": 3.0}, 400, "presence_penalty"),
+    ({"prompt": "x", "logit_bias": {"1000000": 1}}, 400, "logit_bias"),
+    ({"prompt": "x", "allowed_token_ids": [1, 10 ** 7]}, 400, "allowed_token_ids"),
+    ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
+    ({"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
 ]
 
 

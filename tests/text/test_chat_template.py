@@ -102,13 +102,13 @@ def test_generation_config_defaults(tmp_path, caplog):
                      do_sample=True, eos_token_id=[2, 5]).save_pretrained(tmp_path)
     with caplog.at_level("WARNING"):
         defaults = GenerationDefaults.from_dir(tmp_path)
-    assert defaults == GenerationDefaults(temperature=0.6, top_p=0.9, top_k=20, max_tokens=77)
-    assert "repetition_penalty" in caplog.text
+    assert defaults == GenerationDefaults(temperature=0.6, top_p=0.9, top_k=20, max_tokens=77,
+                                          repetition_penalty=1.1)
     assert GenerationDefaults.from_dir(tmp_path, "vllm") == GenerationDefaults()
     serving = BaseServing(None, "m", None, defaults)
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
     p = serving.sampling_params(req, None, None)
-    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.6, 0.9, 20, 77)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.repetition_penalty) == (0.6, 0.9, 20, 77, 1.1)
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], temperature=0.0, top_k=-1)
     p = serving.sampling_params(req, 5, None)
     assert (p.temperature, p.top_k, p.max_tokens) == (0.0, 0, 5)

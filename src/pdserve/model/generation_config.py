@@ -1,8 +1,8 @@
 """A checkpoint's `generation_config.json`: the sampling defaults its authors chose.
 
 Server process (and `pdserve.LLM`). As vLLM applies them (`--generation-config auto`): a request
-that leaves temperature, top_p, top_k or max_tokens unset gets the checkpoint's value instead of
-pdserve's. The end-of-sequence ids it lists are read by spec.py. Fields pdserve cannot honour are
+that leaves temperature, top_p, top_k, min_p, repetition_penalty or max_tokens unset gets the
+checkpoint's value instead of pdserve's. The end-of-sequence ids it lists are read by spec.py. Fields pdserve cannot honour are
 logged once, never fatal.
 """
 
@@ -15,8 +15,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_USED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens"}
-_UNSUPPORTED = {"repetition_penalty": 1.0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+_USED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens",
+         "min_p": "min_p", "repetition_penalty": "repetition_penalty"}  # vLLM's get_diff_sampling_param
+_UNSUPPORTED = {"presence_penalty": 0.0, "frequency_penalty": 0.0}  # not read by vLLM either
 _KNOWN = {"eos_token_id", "bos_token_id", "pad_token_id", "do_sample", "transformers_version",
           "_from_model_config", "decoder_start_token_id", "use_cache", "max_length", "num_beams"}
 
@@ -27,6 +28,8 @@ class GenerationDefaults:
     top_p: float | None = None
     top_k: int | None = None
     max_tokens: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, source: str = "auto") -> "GenerationDefaults":

@@ -134,12 +134,12 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
         _require_ready(engine)
-        return await completions.create(body, request.state.request_id, request)
+        return await completions.create(body, _request_id(body, request), request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         _require_ready(engine)
-        return await chat.create(body, request.state.request_id, request)
+        return await chat.create(body, _request_id(body, request), request)
 
     add_prefix_cache_routes(app, engine)
     add_vllm_routes(app, engine, chat)
@@ -147,6 +147,13 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
         from pdserve.server.debug import add_debug_routes
         add_debug_routes(app, engine)
     return app
+
+
+def _request_id(body, request: Request) -> str:
+    """vLLM's order: the client's X-Request-Id, else the body's `request_id`, else one of ours."""
+    if body.request_id and not request.headers.get("x-request-id"):
+        return body.request_id
+    return request.state.request_id
 
 
 def _require_ready(engine: AsyncEngine) -> None:

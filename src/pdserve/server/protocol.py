@@ -1,19 +1,22 @@
 """OpenAI-compatible request and response bodies (pydantic), in vLLM's shape.
 
 Server process, HTTP edge. Parsing only: turning a request into engine inputs is serving.py's job.
-Unknown fields are ignored, as vLLM does; wrong types are a 400 that names the field.
+Wrong types are a 400 that names the field. Fields of vLLM's or OpenAI's schemas pdserve does not
+implement are declared with the values that change nothing (`NEUTRAL`); any other value is a 400
+naming the field (`refused_field`). Fields of neither schema are ignored, as vLLM ignores them, and
+logged once per name (`unknown_fields`): routers add their own (docs/design.md, "Request fields").
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept aside (model_extra) to be logged, never used
 
     model: str | None = None
     n: int = 1
@@ -34,6 +37,36 @@ class _Request(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM extension: token ids of each choice in the response
     cache_salt: str | None = None  # vLLM: prefix-cache blocks are shared only with the same salt
+    # logits controls, in vLLM's semantics (worker/logits_controls.py)
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None  # vLLM's chat field; completions take it too
+    request_id: str | None = Field(None, max_length=256)  # vLLM: the response's id without X-Request-Id
+    # identifiers that change nothing in the answer (OpenAI's; `user` above is one too)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # the prefix cache matches by content, whatever the key
+    metadata: dict[str, Any] | None = None
+    # not implemented: accepted only at the values in NEUTRAL
+    use_beam_search: Any = False
+    length_penalty: Any = 1.0
+    spaces_between_special_tokens: Any = True
+    truncate_prompt_tokens: Any = None
+    priority: Any = 0
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    vllm_xargs: Any = None
+    mm_processor_kwargs: Any = None
+    store: Any = None
+    service_tier: Any = None
+
+    NEUTRAL: ClassVar[dict[str, tuple]] = {
+        "use_beam_search": (False,), "length_penalty": (1.0,), "spaces_between_special_tokens": (True,),
+        "truncate_prompt_tokens": (None,), "priority": (0,), "logits_processors": (None, []),
+        "return_tokens_as_token_ids": (None, False), "vllm_xargs": (None, {}), "mm_processor_kwargs": (None, {}),
+        "store": (None, False), "service_tier": (None, "auto", "default")}
     # structured outputs (server/structured.py): at most one of these
     response_format: "ResponseFormat | None" = None
     structured_outputs: "StructuredOutputsParams | None" = None
@@ -83,6 +116,12 @@ class CompletionRequest(_Request):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: Any = None  # neutral: unset, or n
+    prompt_embeds: Any = None
+    add_special_tokens: Any = True
+
+    NEUTRAL: ClassVar[dict[str, tuple]] = {**_Request.NEUTRAL, "prompt_embeds": (None,),
+                                           "add_special_tokens": (True,)}
 
 
 class ChatMessage(BaseModel):
@@ -102,6 +141,39 @@ class ChatCompletionRequest(_Request):
     continue_final_message: bool = False  # vLLM: continue the last (assistant) message
     chat_template: str | None = None  # vLLM: a template of the request's own (or a named one)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: extra variables for the template
+    add_special_tokens: Any = False
+    documents: Any = None
+    reasoning_effort: Any = None
+    include_reasoning: Any = True
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    verbosity: Any = None
+
+    NEUTRAL: ClassVar[dict[str, tuple]] = {
+        **_Request.NEUTRAL, "add_special_tokens": (False,), "documents": (None,), "reasoning_effort": (None,),
+        "include_reasoning": (True,), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+        "web_search_options": (None,), "functions": (None,), "function_call": (None, "none"),
+        "verbosity": (None, "medium")}
+
+
+def refused_field(req: _Request) -> str | None:
+    """The first field set to a value pdserve does not implement (`NEUTRAL`), or None."""
+    for name, neutral in req.NEUTRAL.items():
+        value = getattr(req, name)
+        if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
+            return name
+    best_of = getattr(req, "best_of", None)
+    return "best_of" if best_of is not None and best_of != req.n else None
+
+
+def unknown_fields(req: _Request) -> list[str]:
+    """Fields of neither vLLM's nor OpenAI's schema (a router's own, e.g. vllm-router's
+    `no_stop_trim`): ignored."""
+    return sorted(req.model_extra or ())
 
 
 # --- responses ----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.server.async_engine import AsyncEngine
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.protocol import Usage
+from pdserve.server.protocol import Usage, refused_field, unknown_fields
 from pdserve.server.structured import structured_outputs
 from pdserve.text.prompts import text_prompt_ids
 
@@ -69,6 +69,7 @@ class BaseServing:
         self.model_name = model_name
         self.metrics = metrics
         self.defaults = defaults  # the checkpoint's generation_config.json
+        self.ignored_fields: set[str] = set()  # unknown request fields already logged
 
     @property
     def tokenizer(self):
@@ -95,9 +96,7 @@ class BaseServing:
 
     def sampling_params(self, req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Unset fields take the checkpoint's generation_config.json value, then pdserve's."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise InvalidRequestError(name, "is not supported by pdserve (must be 0)")
+        self.check_fields(req)
         d = self.defaults
         top_k = _first(req.top_k, d.top_k, 0)
         return SamplingParams(
@@ -113,8 +112,28 @@ class BaseServing:
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=_first(req.repetition_penalty, d.repetition_penalty, 1.0),
+            min_p=_first(req.min_p, d.min_p, 0.0),
+            min_tokens=req.min_tokens,
+            logit_bias=_logit_bias(req.logit_bias),
+            allowed_token_ids=tuple(req.allowed_token_ids) if req.allowed_token_ids is not None else None,
+            bad_words=tuple(req.bad_words or ()),
             structured=structured_outputs(req),
         )
+
+    def check_fields(self, req) -> None:
+        """A field pdserve does not implement, set to anything but its neutral value, is a 400
+        naming it; a field of neither vLLM's nor OpenAI's schema is logged once and ignored."""
+        name = refused_field(req)
+        if name is not None:
+            raise InvalidRequestError(name, f"is not supported by pdserve (got {getattr(req, name)!r}; "
+                                            "leave it unset)")
+        for name in unknown_fields(req):
+            if name not in self.ignored_fields:
+                self.ignored_fields.add(name)
+                logger.warning("request field %r is not one of vLLM's or OpenAI's; ignored", name)
 
     @staticmethod
     def transfer_params(req, num_prompts: int) -> KVTransferParams | None:
@@ -276,6 +295,14 @@ def running_usage(num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
 
 def _first(*values):
     return next((v for v in values if v is not None), None)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's keys are token ids as strings."""
+    try:
+        return tuple((int(t), b) for t, b in (bias or {}).items())
+    except ValueError:
+        raise InvalidRequestError("logit_bias", "keys must be token ids") from None
 
 
 def sse(payload) -> str:
