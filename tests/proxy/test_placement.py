@@ -163,11 +163,19 @@ def test_what_an_instance_is_computing_is_forgotten_once_it_should_be_done():
 
 def test_instances_whose_predicted_times_differ_by_noise_take_turns():
     r = router("kv-aware", {}, num_prefill=4)
-    for i, s in enumerate(r.prefill.states + r.decode.states):  # measured rates differ by a few percent
-        s.prefill_tokens_per_s = 1000.0 + 7 * i
+    for i, s in enumerate(r.prefill.states + r.decode.states):  # measured rates differ by up to 40 %
+        s.prefill_tokens_per_s = 1000.0 + 60 * i
     producers, decoders = set(), set()
     for i in range(8):  # one at a time, each done before the next (a minute apart)
         plan = place(r, PROMPT, now=60.0 * i)
         producers.add(plan.prefill[0].url)
         decoders.add(plan.decode[0].url)
     assert len(producers) == 4 and len(decoders) == 2
+
+
+def test_an_instance_measured_several_times_faster_draws_the_work():
+    r = router("kv-aware", {}, num_prefill=3)
+    for s in r.prefill.states:
+        s.prefill_tokens_per_s = 1000.0
+    r.prefill.states[2].prefill_tokens_per_s = 3000.0  # other hardware, not noise
+    assert {place(r, PROMPT, now=60.0 * i).prefill[0].url for i in range(4)} == {"http://p2"}

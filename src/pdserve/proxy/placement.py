@@ -3,8 +3,8 @@ together by predicted time to first token.
 
 Proxy process (pure but for reading the KV index). Under `kv-aware` routing with the prompt's token
 ids known, for each producer P and decode instance D (prefill rates as each measured its own steps
-and reports in /health; one that has not yet counts as the mean of those that have, as instances
-of a deployment are alike, and DEFAULT_TOKENS_PER_S before any has):
+and reports in /health; the median of those measured for one within ALIKE of it or not measured yet,
+as instances of a deployment are alike but for noise, and DEFAULT_TOKENS_PER_S before any is):
 
     TTFT(P, D) = REMOTE_OVERHEAD_S + (queue of P + prompt tokens P lacks) / P's prefill rate
                  + blocks D lacks moved over the fabric + D's queue / D's prefill rate
@@ -22,6 +22,7 @@ policies ignore caches and times (policy.py).
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 
 from pdserve.proxy.policy import LOAD_TOKENS
@@ -34,6 +35,7 @@ TRANSFER_S_PER_BLOCK = 5e-5  # moving one block between instances (KV transfer b
 REMOTE_OVERHEAD_S = 0.01  # the producer's leg: a second HTTP exchange, its step, the hand-off
 STALL_BUDGET_S = 0.1  # a local prefill may hold decode's running streams this long
 STREAM_TOKENS = 32  # a stream a decode instance runs weighs as this many prompt tokens
+ALIKE = 2.0  # measured prefill rates within this factor of the median are noise: the median is used
 NEAR, NEAR_S = 0.1, 0.002  # predicted times within 10 % + 2 ms of the fastest count as equal
 COMPUTING_S = 1.0  # a prompt placed on an instance counts as cached there this long past its predicted
 # prefill; by then the instance's KV events have told the index what it caches
@@ -61,10 +63,11 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
     cached = _Cached(router, ids, cache_salt, now)
     measured = [s.prefill_tokens_per_s for s in router.prefill.states + router.decode.states
                 if s.prefill_tokens_per_s > 0]
-    typical = sum(measured) / len(measured) if measured else DEFAULT_TOKENS_PER_S  # instances are alike
+    typical = statistics.median(measured) if measured else DEFAULT_TOKENS_PER_S  # instances are alike
 
-    def rate(state: UpstreamState) -> float:
-        return state.prefill_tokens_per_s or typical
+    def rate(state: UpstreamState) -> float:  # alike instances measure alike rates, but for noise
+        r = state.prefill_tokens_per_s
+        return r if r and not typical / ALIKE <= r <= typical * ALIKE else typical
 
     decodes = router.decode.states
     caches = sorted((s for s in router.prefill.states + decodes if s.healthy), key=lambda s: -cached(s))
