@@ -175,7 +175,8 @@ def _serve(args) -> int:
         port_file=args.port_file,
         enable_debug_endpoints=args.enable_debug_endpoints, generation_config=args.generation_config,
         max_request_body_bytes=args.max_request_body_bytes,
-        trust_request_chat_template=args.trust_request_chat_template)
+        trust_request_chat_template=args.trust_request_chat_template,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     run_server(server, engine_config(args), args.log_level.upper())
     return 0
 
@@ -273,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-debug-endpoints", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--chat-template", default=None,
                    help="a chat template file (or the template itself) instead of the checkpoint's")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='vLLM\'s: tool_choice "auto" reads the model\'s tool calls (needs --tool-call-parser)')
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="the model family's tool-call format (vLLM's names)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render chat templates that requests bring (vLLM's flag; each renders in a child "
                         "process, bounded in time, memory and output); without it they are a 400")

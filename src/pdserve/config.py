@@ -232,6 +232,8 @@ class ServerConfig:
     enable_debug_endpoints: bool = False  # tests only: KV checksums, loaded peers
     generation_config: str = "auto"  # "auto": the checkpoint's sampling defaults; "vllm": pdserve's
     trust_request_chat_template: bool = False  # render templates requests bring (sandboxed, bounded)
+    enable_auto_tool_choice: bool = False  # vLLM's: tool_choice "auto" reads calls with the parser below
+    tool_call_parser: str | None = None  # hermes, llama3_json, mistral (text/tool_parsers.py)
 
     def __post_init__(self):
         _check(0 <= self.port < 65536, "port", f"out of range: {self.port}")

@@ -32,6 +32,7 @@ from pdserve.server.metrics import ServerMetrics
 from pdserve.server.prefix_cache_routes import add_prefix_cache_routes
 from pdserve.http.middleware import Admission, BodyLimit, RequestContext
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pdserve.server.tools import ToolPolicy
 from pdserve.server.serving_chat import ChatServing
 from pdserve.server.serving_completion import CompletionServing
 from pdserve.server.vllm_routes import add_vllm_routes
@@ -48,7 +49,8 @@ def create_app(server: ServerConfig, engine_config: EngineConfig) -> FastAPI:
     defaults = GenerationDefaults.from_dir(engine_config.model, server.generation_config)
     completions = CompletionServing(engine, model_name, metrics, defaults)
     chat = ChatServing(engine, model_name, metrics, defaults,
-                       trust_request_chat_template=server.trust_request_chat_template)
+                       trust_request_chat_template=server.trust_request_chat_template,
+                       tool_policy=ToolPolicy(server.enable_auto_tool_choice, server.tool_call_parser))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -141,6 +141,9 @@ class ChatCompletionRequest(_Request):
     continue_final_message: bool = False  # vLLM: continue the last (assistant) message
     chat_template: str | None = None  # vLLM: a template of the request's own (or a named one)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: extra variables for the template
+    tools: list[dict[str, Any]] | None = None  # server/tools.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_special_tokens: Any = False
     documents: Any = None
     reasoning_effort: Any = None
@@ -229,6 +232,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -254,6 +258,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatStreamChoice(BaseModel):

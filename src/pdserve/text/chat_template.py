@@ -75,7 +75,8 @@ class ChatRenderer:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                continue_final_message: bool = False, chat_template: str | None = None,
-               template_kwargs: dict | None = None, max_chars: int | None = None, sandbox=None) -> str:
+               template_kwargs: dict | None = None, max_chars: int | None = None, sandbox=None,
+               tools: list[dict] | None = None) -> str:
         """The prompt text, at most `max_chars` long. A template the request brings (`chat_template`
         that names none of the checkpoint's) renders in `sandbox` when one is given (a
         template_sandbox.TemplateSandbox; the server's, for its clients). Any error is a
@@ -87,6 +88,8 @@ class ChatRenderer:
                                     "continue_final_message")
         kwargs = _checked(template_kwargs or {})
         base = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        if tools is not None:  # OpenAI's function tools, as vLLM hands them to templates
+            base["tools"] = tools
         context = {**self.special_tokens, **kwargs, **base}
         from_request = chat_template is not None and chat_template not in self.named
         if from_request and sandbox is not None:

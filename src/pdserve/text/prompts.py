@@ -6,6 +6,8 @@ Any process. Plain JSON values in; errors name the request field (`PromptError.f
 
 from __future__ import annotations
 
+import json
+
 from pdserve.text.tokenizer import Tokenizer
 
 
@@ -28,8 +30,31 @@ def message_text(content, index: int) -> str:
 
 
 def chat_messages(messages: list) -> list[dict]:
-    """What the chat template sees of each message: its role and its text."""
-    return [{"role": m["role"], "content": message_text(m.get("content"), i)} for i, m in enumerate(messages)]
+    """What the chat template sees of each message: its role and its text, and the tool fields of
+    OpenAI's messages (an assistant's `tool_calls`, with `arguments` parsed as vLLM hands them to
+    templates; a tool result's `tool_call_id` and `name`)."""
+    out = []
+    for i, m in enumerate(messages):
+        msg = {"role": m["role"], "content": message_text(m.get("content"), i)}
+        for key in ("name", "tool_call_id"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        if isinstance(m.get("tool_calls"), list):
+            msg["tool_calls"] = [_template_call(c) for c in m["tool_calls"]]
+        out.append(msg)
+    return out
+
+
+def _template_call(call) -> dict:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    fn = dict(call["function"])
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            pass  # left as the client wrote it
+    return {**call, "function": fn}
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:

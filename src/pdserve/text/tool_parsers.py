@@ -38,7 +38,7 @@ def _call(obj) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _json_calls(text: str) -> list[ToolCall] | None:
+def json_calls(text: str) -> list[ToolCall] | None:
     """One JSON value or several joined by `;`: each a call (a list: its items), else None."""
     decoder, calls, pos, text = json.JSONDecoder(), [], 0, text.strip()
     while pos < len(text):
@@ -66,7 +66,7 @@ class Hermes:
             return Parsed(text, [])
         calls = []
         for body in self._block.findall(text):
-            found = _json_calls(body)
+            found = json_calls(body)
             if found is None:
                 return Parsed(text, [])
             calls += found
@@ -82,7 +82,7 @@ class Llama3Json:
         body = text.split(self._tag, 1)[1] if self._tag in text else text
         if not body.lstrip().startswith(("{", "[")):
             return Parsed(text, [])
-        calls = _json_calls(body)
+        calls = json_calls(body)
         return Parsed(None, calls) if calls else Parsed(text, [])
 
 
@@ -93,7 +93,7 @@ class Mistral:
         if self.start not in text:
             return Parsed(text, [])
         content, body = text.split(self.start, 1)
-        calls = _json_calls(body)
+        calls = json_calls(body)
         return Parsed(content or None, calls) if calls else Parsed(text, [])
 
 
