@@ -10,6 +10,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] | None  # (token id, logprob), best first
+    rank: int | None = None  # of a prompt token: 1 + how many tokens were more likely
 
 
 @dataclasses.dataclass
@@ -27,6 +28,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, if asked
 
 
 @dataclasses.dataclass

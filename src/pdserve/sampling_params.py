@@ -53,6 +53,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token; 0 = only the sampled token
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token (the prefix cache is skipped)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # logits controls, in vLLM's semantics (worker/logits_controls.py); the defaults change nothing
@@ -86,6 +87,9 @@ class SamplingParams:
             raise InvalidRequestError("max_tokens", f"must be in [1, {INT32}], got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got "
+                                                         f"{self.prompt_logprobs}")
         if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop", f"must be at most {MAX_STOP} non-empty strings")
         if len(self.stop_token_ids) > MAX_STOP or any(

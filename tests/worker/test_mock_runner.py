@@ -22,14 +22,14 @@ def test_greedy_tokens_follow_the_context_written_in_the_cache():
     sleeps = []
     r = runner(sleeps)
     prompt = list(range(100, 110))
-    logits, ids = r.execute([ScheduledChunk("a", prompt, 0, [0, 1, 2], True)])
+    logits, ids, _ = r.execute([ScheduledChunk("a", prompt, 0, [0, 1, 2], True)])
     assert ids == ["a"] and int(logits.argmax()) == next_token(prompt, VOCAB)
     assert r.kv_cache.buffer[1, 1, 2, 1, 1, 0] == 109  # position 9: block 2, slot 1, in every layer and head
     first = int(logits.argmax())
-    logits, _ = r.execute([ScheduledChunk("a", [first], 10, [0, 1, 2], True)])  # a decode step
+    logits, _, _ = r.execute([ScheduledChunk("a", [first], 10, [0, 1, 2], True)])  # a decode step
     assert int(logits.argmax()) == next_token(prompt + [first], VOCAB)
     r.kv_cache.buffer[:, :, 0, :, 0, :] += 1  # the first token's KV goes wrong: so does the answer
-    logits, _ = r.execute([ScheduledChunk("a", [5], 11, [0, 1, 2], True)])
+    logits, _, _ = r.execute([ScheduledChunk("a", [5], 11, [0, 1, 2], True)])
     assert int(logits.argmax()) != next_token(prompt + [first, 5], VOCAB)
 
 

@@ -37,7 +37,7 @@ from pdserve.prefix_cache.hashing import wire_hash
 from pdserve.sampling_params import InvalidRequestError, SamplingParams
 from pdserve.text.tokenizer import Tokenizer
 from pdserve.worker.executor import Executor
-from pdserve.worker.messages import StepInput, StepOutput
+from pdserve.worker.messages import PromptLogprobs, StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 MAX_SALT_CHARS = 1024  # a cache_salt is hashed into every block of its request
@@ -118,8 +118,11 @@ class Engine:
     # --- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer: KVTransferParams | None = None, cache_salt: str | None = None) -> None:
-        """Queue a request. Raises InvalidRequestError (naming the field) before allocating anything."""
+                    kv_transfer: KVTransferParams | None = None, cache_salt: str | None = None,
+                    after: str | None = None) -> None:
+        """Queue a request. Raises InvalidRequestError (naming the field) before allocating anything.
+        `after`: a P/D consumer request with the same prompt whose KV this one waits for, to find
+        the prompt in the prefix cache (the other samples of `n`)."""
         if request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         if cache_salt is not None and not (isinstance(cache_salt, str) and 0 < len(cache_salt) <= MAX_SALT_CHARS):
@@ -140,6 +143,9 @@ class Engine:
             kv_transfer.check_against(prompt_token_ids, self.config.cache.block_size,
                                       self.config.parallel.tensor_parallel_size, self.spec.num_heads,
                                       self.spec.num_kv_heads, self.spec.vocab_size)
+            if kv_transfer.do_remote_prefill and params.prompt_logprobs is not None:
+                raise InvalidRequestError("prompt_logprobs", "a P/D consumer has no prompt logits (the "
+                                                             "producer computes them)")
             if kv_transfer.do_remote_prefill and params.logprobs is not None \
                     and kv_transfer.first_token.logprob is None:
                 raise InvalidRequestError("kv_transfer_params.first_token_logprob",
@@ -153,7 +159,7 @@ class Engine:
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         request = Request(request_id, prompt_token_ids, params, self.eos_token_ids, max_tokens,
-                          kv_transfer, cache_salt)
+                          kv_transfer, cache_salt, after)
         request.logits_controls = controls
         self.output_processor.start(request)
         self.num_prompt_tokens += n
@@ -275,6 +281,8 @@ class Engine:
         self.pool.release_quarantine(time.monotonic())
         sched = self.scheduler.schedule()
         results = self._execute(sched)
+        for scored in results[0].prompt_logprobs if results else ():
+            self._record_prompt_logprobs(scored)
         for token in results[0].sampled if results else ():
             request = self.scheduler.requests.get(token.request_id)
             if request is None or request.is_finished:
@@ -292,6 +300,15 @@ class Engine:
         self._apply(outcome)
         self._reschedule = bool(outcome) and bool(self.scheduler.waiting)
         return outputs + self._drain_pending()
+
+    def _record_prompt_logprobs(self, scored: PromptLogprobs) -> None:
+        """By position, so a recomputed prompt (after preemption) writes the same entries again."""
+        request = self.scheduler.requests.get(scored.request_id)
+        if request is None or request.prompt_logprobs is None:
+            return
+        for i, (lp, rank, top) in enumerate(zip(scored.logprobs, scored.ranks, scored.top)):
+            pos = scored.start_pos + i
+            request.prompt_logprobs[pos] = TokenLogprob(request.prompt_token_ids[pos], lp, top, rank)
 
     def _execute(self, sched: SchedulerOutput) -> list[StepOutput]:
         """Run the step on the ranks with the connector's metadata; skipped (no reports) when they

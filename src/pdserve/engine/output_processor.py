@@ -60,6 +60,8 @@ class OutputProcessor:
         if status is not None:
             out.finish_reason = status.value
             out.stop_reason = request.stop_reason
+        if len(request.output_token_ids) == 1:
+            out.prompt_logprobs = request.prompt_logprobs
         return out, status
 
     def delta(self, request: Request, token_ids: list[int], logprobs: list | None,

@@ -45,7 +45,8 @@ _TRANSITIONS = {
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_tokens: int,
-                 kv_transfer: KVTransferParams | None = None, cache_salt: str | None = None):
+                 kv_transfer: KVTransferParams | None = None, cache_salt: str | None = None,
+                 after: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -58,6 +59,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        # each prompt token's logprob (None for the first, which nothing predicts), by position
+        self.prompt_logprobs: list[TokenLogprob | None] | None = \
+            [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None
+        self.after = after  # a request whose remote KV this one waits for (a sample of the same prompt)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
         self.block_ids: list[int] = []

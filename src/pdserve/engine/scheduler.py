@@ -120,7 +120,7 @@ class Scheduler:
                 if not self._admit_remote(request, remote_loads):
                     break
                 continue
-            if self._num_seqs >= self.config.max_num_seqs:
+            if self._num_seqs >= self.config.max_num_seqs or self._kv_arriving(request.after):
                 break
             pulled = self._admit_pull(request, remote_pulls) if self._may_pull(request) else None
             if pulled is not None:
@@ -149,18 +149,30 @@ class Scheduler:
 
     # --- helpers --------------------------------------------------------------------------------
 
+    def _kv_arriving(self, request_id: str | None) -> bool:
+        """Whether that request's remote KV is still on its way: a sample of the same prompt waits
+        for it, then finds the prompt in this instance's prefix cache instead of computing it."""
+        other = self.requests.get(request_id) if request_id is not None else None
+        return other is not None and (other.status == RequestStatus.WAITING_FOR_REMOTE_KV or (
+            other.status == RequestStatus.WAITING and other.transfer == TransferState.AWAITING_KV))
+
     def _chunk(self, request: Request, num_new: int, new_requests: list[NewRequest]) -> ScheduledChunk:
         start = request.num_computed_tokens
         if not request.sent_to_workers:
             request.sent_to_workers = True
             new_requests.append(NewRequest(request.request_id, _sampling_spec(request)))
         tokens = request.all_token_ids[start:start + num_new]
+        targets = []  # the prompt tokens this chunk's rows predict, if its prompt is scored
+        if request.prompt_logprobs is not None:
+            targets = request.prompt_token_ids[start + 1:min(start + num_new + 1, request.num_prompt_tokens)]
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=tokens,
             start_pos=start,
             block_ids=list(request.block_ids),
             sample=start + num_new == request.num_tokens,
+            prompt_targets=targets,
+            num_prompt_logprobs=request.params.prompt_logprobs or 0,
         )
 
     def _grow(self, request: Request, num_new: int) -> bool:
@@ -174,7 +186,8 @@ class Scheduler:
         return True
 
     def _admit(self, request: Request, budget: int) -> bool:
-        hits = self.pool.match_prefix(request)
+        # a cached prefix has no logits: a request that scores its prompt computes all of it (vLLM's rule)
+        hits = self.pool.match_prefix(request) if request.prompt_logprobs is None else []
         num_cached = len(hits) * self.pool.block_size
         num_new = request.num_tokens - num_cached
         if num_new > budget and not self.config.enable_chunked_prefill:
@@ -237,7 +250,7 @@ class Scheduler:
 
     def _may_pull(self, request: Request) -> bool:
         kv = request.kv_transfer
-        return bool(kv is not None and kv.kv_holders and not request.pull_tried
+        return bool(kv is not None and kv.kv_holders and not request.pull_tried and request.prompt_logprobs is None
                     and self.config.kv_pull_min_tokens > 0)
 
     def _admit_pull(self, request: Request, remote_pulls: list[RemotePull]) -> bool | None:

@@ -111,12 +111,13 @@ class AsyncEngine:
     # --- requests -------------------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params,
-                          kv_transfer=None, cache_salt: str | None = None) -> RequestStream:
+                          kv_transfer=None, cache_salt: str | None = None,
+                          after: str | None = None) -> RequestStream:
         """Validated by the engine before this returns (InvalidRequestError propagates)."""
         stream = RequestStream(request_id)
 
         def add(engine: Engine):
-            engine.add_request(request_id, prompt_token_ids, params, kv_transfer, cache_salt)
+            engine.add_request(request_id, prompt_token_ids, params, kv_transfer, cache_salt, after)
             self._streams[request_id] = stream
         try:
             await self.call(add)

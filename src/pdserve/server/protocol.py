@@ -37,6 +37,7 @@ class _Request(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     return_token_ids: bool = False  # vLLM extension: token ids of each choice in the response
     cache_salt: str | None = None  # vLLM: prefix-cache blocks are shared only with the same salt
+    prompt_logprobs: int | None = None  # vLLM: top-n logprobs of each prompt token
     # logits controls, in vLLM's semantics (worker/logits_controls.py)
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float | None = None
@@ -203,6 +204,13 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None  # vLLM, with return_token_ids
+    prompt_logprobs: list[dict[str, "PromptLogprob"] | None] | None = None  # vLLM: token id -> entry
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -253,6 +261,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
     kv_transfer_params: dict[str, Any] | None = None
     prompt_token_ids: list[int] | None = None  # vLLM, with return_token_ids
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM
 
 
 class DeltaMessage(BaseModel):

@@ -46,6 +46,7 @@ class Choice:
     kv_transfer_params: dict | None = None
     error: str | None = None
     finished: bool = False
+    prompt_logprobs: list | None = None  # with prompt_logprobs (or echo): one entry per prompt token
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.new_text
@@ -54,6 +55,8 @@ class Choice:
             self.logprobs.extend(out.new_logprobs)
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finished = True
             self.finish_reason = out.finish_reason
@@ -94,8 +97,10 @@ class BaseServing:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
-    def sampling_params(self, req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Unset fields take the checkpoint's generation_config.json value, then pdserve's."""
+    def sampling_params(self, req, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """Unset fields take the checkpoint's generation_config.json value, then pdserve's.
+        `prompt_logprobs`: the request's own unless given (completions' echo asks for them)."""
         self.check_fields(req)
         d = self.defaults
         top_k = _first(req.top_k, d.top_k, 0)
@@ -110,6 +115,7 @@ class BaseServing:
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
             presence_penalty=req.presence_penalty or 0.0,
@@ -139,8 +145,9 @@ class BaseServing:
     def transfer_params(req, num_prompts: int) -> KVTransferParams | None:
         params = KVTransferParams.parse(req.kv_transfer_params)
         if params is not None and (params.do_remote_decode or params.do_remote_prefill):
-            if req.n != 1:
-                raise InvalidRequestError("n", "must be 1 for a disaggregated (P/D) request")
+            if req.n != 1 and params.do_remote_decode:  # a consumer forks n samples (start)
+                raise InvalidRequestError("n", "must be 1 for a P/D producer request (the proxy "
+                                               "prefills each prompt once)")
             if num_prompts != 1:
                 raise InvalidRequestError("prompt", "a disaggregated (P/D) request takes one prompt")
         return params
@@ -152,7 +159,10 @@ class BaseServing:
         """Add every (prompt, sample) engine request; on any rejection, abort those already added.
         Engine request ids are this instance's own (a P/D producer hands its id to the consumer as
         `remote_request_id`): the client's X-Request-Id may be long or reused, so it only names
-        the request in the logs."""
+        the request in the logs. A P/D consumer's first sample continues from the producer's first
+        token and READs the prompt's KV; its other samples wait for that KV, find the prompt in the
+        prefix cache and draw their own first tokens (seed + i) from its last block, computed here.
+        A consumer computes no prompt logprobs: the proxy takes them from the producer's answer."""
         choices, streams = [], []
         suffix = uuid.uuid4().hex
         try:
@@ -162,7 +172,13 @@ class BaseServing:
                     seed = None if params.seed is None else params.seed + i
                     sub = replace(params, n=1, seed=seed)
                     engine_id = f"{suffix}-{index}"
-                    streams.append(await self.engine.add_request(engine_id, prompt, sub, kv, cache_salt))
+                    sample_kv, after = kv, None
+                    if kv is not None and kv.do_remote_prefill:
+                        sub = replace(sub, prompt_logprobs=None)
+                        if i > 0:
+                            sample_kv, after = None, f"{suffix}-{p_index * params.n}"
+                    streams.append(await self.engine.add_request(engine_id, prompt, sub, sample_kv,
+                                                                 cache_salt, after))
                     choices.append(Choice(index, engine_id))
         except BaseException:
             for s in streams:
@@ -260,6 +276,23 @@ class BaseServing:
                         self.engine.abort(c.engine_id)
                 return
             await asyncio.sleep(0.25)
+
+    def prompt_logprobs(self, entries) -> list[dict | None] | None:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else token id -> its
+        logprob, rank and text, for the prompt's token and the most likely ones."""
+        if entries is None:
+            return None
+        tok, out = self.tokenizer, []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            entry = {str(t): {"logprob": lp, "rank": r + 1, "decoded_token": tok.token_text(t)}
+                     for r, (t, lp) in enumerate(e.top or [])}
+            entry.setdefault(str(e.token_id), {"logprob": e.logprob, "rank": e.rank,
+                                               "decoded_token": tok.token_text(e.token_id)})
+            out.append(entry)
+        return out
 
     @staticmethod
     def usage(choices: list[Choice], num_prompts: int, n: int) -> Usage:

@@ -86,7 +86,9 @@ class ChatServing(BaseServing):
                      for c in choices],
             usage=self.usage(choices, 1, req.n),
             kv_transfer_params=choices[0].kv_transfer_params if len(choices) == 1 else None,
-            prompt_token_ids=prompt if req.return_token_ids else None)
+            prompt_token_ids=prompt if req.return_token_ids else None,
+            prompt_logprobs=self.prompt_logprobs(choices[0].prompt_logprobs)
+            if req.prompt_logprobs is not None else None)
         return JSONResponse(body.model_dump())
 
     async def _stream(self, req: ChatCompletionRequest, response_id: str, choices: list[Choice],

@@ -59,6 +59,10 @@ class ScheduledChunk(msgspec.Struct, frozen=True):
     start_pos: int  # position of token_ids[0]
     block_ids: list[int]  # the request's whole block table
     sample: bool  # the last token's logits produce a new token
+    # prompt logprobs: the prompt tokens its rows predict (row i -> prompt_targets[i]), and how many
+    # of the most likely tokens each row reports; empty for every other request
+    prompt_targets: list[int] = []
+    num_prompt_logprobs: int = 0
 
 
 class StepInput(msgspec.Struct, tag="step"):
@@ -76,9 +80,21 @@ class SampledToken(msgspec.Struct, frozen=True):
     top_logprobs: list[tuple[int, float]] | None
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True):
+    """One chunk's prompt tokens scored: the log-probability and rank (1 = most likely) of each
+    prompt token from position `start_pos`, and the most likely tokens there."""
+
+    request_id: str
+    start_pos: int
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]]
+
+
 class StepOutput(msgspec.Struct):
     rank: int
     sampled: list[SampledToken]  # rank 0 only
+    prompt_logprobs: list[PromptLogprobs] = []  # rank 0 only
     connector: ConnectorReport | None = None
     error: str | None = None
 

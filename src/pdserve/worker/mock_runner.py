@@ -60,7 +60,7 @@ class MockRunner:
         self.speedup = speedup
         self._sleep = sleep
 
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor | None, list[str]]:
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor | None, list[str], list]:
         """Write the chunks' tokens into the cache, wait as long as the real step would, and
         return one-hot logits [sampled rows, vocab] for the chunks that sample."""
         prefill = sum(len(c.token_ids) for c in chunks if len(c.token_ids) > 1)
@@ -77,10 +77,10 @@ class MockRunner:
         spent = time.monotonic() - started
         self._sleep(max(0.0, self.timing.step_time(prefill, len(decodes), context) / self.speedup - spent))
         if not rows:
-            return None, []
+            return None, [], []
         logits = torch.zeros(len(rows), self.vocab_size)
         logits[torch.arange(len(rows)), torch.tensor(rows)] = MARGIN
-        return logits, ids
+        return logits, ids, []  # prompt tokens are not scored
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(start, end)

@@ -22,18 +22,31 @@ class ModelRunner:
         self.block_size = kv_cache.layout.block_size
         self.sliding_window = model.spec.sliding_window
 
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor | None, list[str]]:
-        """Run one step. Returns (logits [sampled rows, vocab] on rank 0, request ids of those rows)."""
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor | None, list[str], list]:
+        """Run one step. Returns (logits [sampled rows, vocab] on rank 0, request ids of those rows,
+        (chunk, logits [its scored rows, vocab]) for the chunks that score their prompt tokens).
+        Only those chunks' other rows go through the LM head."""
         hidden, ordered = self._forward(chunks)
-        rows, sampled_ids, row = [], [], 0
+        rows, sampled_ids, scored, row = [], [], [], 0
         for c in ordered:
+            if c.prompt_targets:
+                scored.append((c, list(range(row, row + len(c.prompt_targets)))))
             row += len(c.token_ids)
             if c.sample:
                 rows.append(row - 1)
                 sampled_ids.append(c.request_id)
-        if not rows:
-            return None, []
-        return self.model.compute_logits(hidden[rows]), sampled_ids
+        prompt_rows = [r for _, rs in scored for r in rs]
+        if not rows and not prompt_rows:
+            return None, [], []
+        logits = self.model.compute_logits(hidden[rows + prompt_rows])
+        if logits is None:  # not rank 0
+            return None, sampled_ids, []
+        out, at = [], len(rows)
+        for c, rs in scored:
+            out.append((c, logits[at:at + len(rs)]))
+            at += len(rs)
+        return logits[:len(rows)], sampled_ids, out
+
 
     def score(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One prefill of `token_ids` from position 0 (it overwrites the cache's first blocks): the

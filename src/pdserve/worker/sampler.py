@@ -16,7 +16,7 @@ from pdserve.model.fused import argmax_logsumexp
 from pdserve.sampling_params import StructuredOutputs
 from pdserve.structured.matchers import Matchers
 from pdserve.worker.logits_controls import RequestControls, apply_controls
-from pdserve.worker.messages import SampledToken, SamplingSpec
+from pdserve.worker.messages import PromptLogprobs, SampledToken, SamplingSpec, ScheduledChunk
 
 _GREEDY_EPS = 1e-5
 
@@ -116,3 +116,18 @@ class Sampler:
             probs = probs.clone()
             probs[order[drop]] = 0.0
         return int((probs / self._noise(g)).argmax())
+
+
+def score_prompt(chunk: ScheduledChunk, logits: torch.Tensor) -> PromptLogprobs:
+    """logits [rows, vocab]: row i predicts `chunk.prompt_targets[i]`, the prompt token at position
+    `chunk.start_pos + 1 + i`. Its logprob, its rank (1 + how many tokens were more likely, as
+    vLLM counts) and the `num_prompt_logprobs` most likely tokens."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    targets = torch.tensor(chunk.prompt_targets, dtype=torch.long)
+    chosen = logprobs.gather(1, targets[:, None])  # [rows, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top: list[list[tuple[int, float]]] = [[] for _ in chunk.prompt_targets]
+    if chunk.num_prompt_logprobs:
+        values, indices = logprobs.topk(chunk.num_prompt_logprobs, dim=-1)
+        top = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+    return PromptLogprobs(chunk.request_id, chunk.start_pos + 1, chosen[:, 0].tolist(), ranks.tolist(), top)

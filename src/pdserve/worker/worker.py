@@ -34,7 +34,7 @@ from pdserve.worker.messages import (DebugCall, DebugResult, RankReady, Shutdown
                                      StepOutput)
 from pdserve.worker.mock_runner import MockRunner
 from pdserve.worker.model_runner import ModelRunner
-from pdserve.worker.sampler import Sampler
+from pdserve.worker.sampler import Sampler, score_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -93,15 +93,17 @@ class Worker:
                 self.sampler.remove(rid)
             for new in step.new_requests:
                 self.sampler.add(new.request_id, new.sampling)
-        sampled = []
+        sampled, scored = [], []
         if step.chunks:
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
-            logits, request_ids = self.runner.execute(step.chunks)
+            logits, request_ids, prompt_logits = self.runner.execute(step.chunks)
             if self.sampler is not None and request_ids:
                 sampled = self.sampler.sample(logits, request_ids)
+            if self.sampler is not None:
+                scored = [score_prompt(c, rows) for c, rows in prompt_logits]
         report = self.connector.report() if self.connector is not None else None
-        return StepOutput(rank=self.rank, sampled=sampled, connector=report)
+        return StepOutput(rank=self.rank, sampled=sampled, connector=report, prompt_logprobs=scored)
 
     def debug(self, call: DebugCall) -> DebugResult:
         if call.name == "checksum":
