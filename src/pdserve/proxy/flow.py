@@ -12,6 +12,11 @@ served by a producer without a transfer. `vllm` instances generate up to `max_to
 `max_tokens: 1`, as vLLM's own proxy sends. `auto` asks an instance that is up who it is (one
 question at a time, not again for `ASK_AGAIN_S` after no answer; pdserve until one answers).
 
+Scoring and fan-out (docs/design.md, "Scoring and fan-out"): a list of prompts is one flow per
+prompt, answers merged (fanout.py); `n > 1` prefills once (the producer gets `n: 1`) and decode
+forks the samples from the KV it READs once; `max_tokens: 0` is the producer's alone; the prompt's
+logprobs come from the producer's answer.
+
 Failures (docs/design.md, "Failures"): how each leg tries the instances is legs.py's. A decode leg
 that found no taker hands the producer's lease back at once (`/kv/release`), as does a client that
 leaves between the legs. A client that leaves cancels whichever leg runs.
@@ -27,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.http.errors import APIError
 from pdserve.proxy.decision import LOCAL, REMOTE, DisaggPolicy, prompt_tokens
+from pdserve.proxy.fanout import PromptScores, discard, merge, respond, split_prompts, wants_scores
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.placement import Placement, place
 from pdserve.proxy.prompts import PromptTokens
@@ -96,19 +102,33 @@ class PDFlow:
             watcher.cancel()
 
     async def _handle(self, raw_body: bytes, path: str, request_id: str) -> Response:
-        start = time.monotonic()
         body = parse_body(raw_body)
         body.pop("kv_transfer_params", None)  # the producer's word, never the client's
+        parts = split_prompts(body, path)
+        if parts is None:
+            return await self._handle_one(body, path, request_id)
+        answers = await asyncio.gather(*(self._handle_one(b, path, request_id) for b in parts),
+                                       return_exceptions=True)
+        errors = [a for a in answers if isinstance(a, BaseException)]
+        if errors:
+            discard([a for a in answers if isinstance(a, Response)])
+            raise errors[0]
+        return await merge(answers, body.get("n") or 1, body, {"X-Request-Id": request_id})
+
+    async def _handle_one(self, body: dict, path: str, request_id: str) -> Response:
+        start = time.monotonic()
         headers = {"X-Request-Id": request_id}
         protocol = await self.upstream_protocol()
         ids = self.prompts.ids(body, path) if self.prompts is not None else None
         plan = place(self.router, ids, body.get("cache_salt"))
-        if protocol == "pdserve" and _max_tokens(body) == 1:  # nothing to decode: no transfer
+        n = body.get("n") or 1
+        if _max_tokens(body) == 0 or (protocol == "pdserve" and _max_tokens(body) == 1):  # nothing to decode
             self.metrics.requests.labels("prefill_only").inc()
             if self.router.prefill.states:
                 return await self.legs.answer(self.router.prefill, path, body, headers, start, rank=plan.prefill)
             return await self.legs.answer(self.router.decode, path, body, headers, start, rank=plan.decode)
-        decision = LOCAL if not self.router.prefill.states else self._decide(body, plan)
+        decision = LOCAL if not self.router.prefill.states or (n > 1 and protocol == "vllm") \
+            else self._decide(body, plan)
         self.metrics.decisions.labels(decision).inc()
         headers["X-PD-Decision"] = decision
         if decision == LOCAL:  # decode prefills it itself
@@ -118,6 +138,7 @@ class PDFlow:
 
         p_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         p_body["stream"] = False
+        p_body["n"] = 1  # one prefill: decode forks the other samples from its KV
         p_body["kv_transfer_params"] = PREFILL_PARAMS
         holders = [s.kv_holder for s in plan.holders if s.kv_holder][:MAX_HOLDERS]
         if protocol == "pdserve" and holders:
@@ -134,6 +155,10 @@ class PDFlow:
             return passed_on(p_resp, headers)
         p_json = p_resp.json()
         kv = p_json.get("kv_transfer_params")
+        if not kv and n > 1:  # the first sample ended at its first token: decode does them all
+            self.metrics.requests.labels("decode_only").inc()
+            return await self.legs.answer(self.router.decode, path, body, headers, start, prefills=True,
+                                          rank=plan.decode)
         if not kv and (protocol == "pdserve" or _all_stopped(p_json)):
             # the first token ended it (EOS, a stop, or the context is full): the producer's answer
             self.metrics.requests.labels("prefill_only").inc()
@@ -144,12 +169,14 @@ class PDFlow:
         # (a vLLM producer without a connector returns no params: decode then does it all)
         self.metrics.requests.labels("disaggregated" if kv else "decode_only").inc()
         taken = False
+        scores = PromptScores(p_json, body) if kv and wants_scores(body) else None
+        d_body = {k: v for k, v in body.items() if k != "prompt_logprobs"} if scores else body
         producer.upstream.hold()  # its client stays open while its lease may have to go back
         try:
-            response = await self.legs.answer(self.router.decode, path, {**body, "kv_transfer_params": kv}
+            response = await self.legs.answer(self.router.decode, path, {**d_body, "kv_transfer_params": kv}
                                               if kv else body, headers, start, rank=plan.decode)
             taken = response.status_code == 200
-            return response
+            return respond(response, scores, headers) if scores else response
         finally:
             if kv and not taken:  # no decode instance took it: free the producer's blocks now
                 self.legs.release(producer, kv, headers)

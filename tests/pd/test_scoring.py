@@ -1,0 +1,185 @@
+"""Scoring and fan-out through real processes (one producer, one decode, the proxy; real NIXL):
+vLLM's `echo` + `logprobs` + `max_tokens: 0` (lm-eval's loglikelihood) and `prompt_logprobs` equal
+transformers' log-softmax, on one instance and through P/D; `n > 1` and lists of prompts through
+P/D give the single instance's answers, with each prompt's KV read once by decode."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from helpers import ids
+from servers import metric, start_deployment, wait_idle
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model, tmp_path_factory):
+    dep = start_deployment(tiny_model, 1, 1, tmp_path_factory.mktemp("scoring"),
+                           proxy_args=["--routing", "least-loaded"])
+    yield dep
+    dep.stop()
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(tiny_model):
+    """Each prompt token's log-probability given the tokens before it, by transformers."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+    def score(prompt: list[int]) -> list[float]:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0].float()
+        lp = torch.log_softmax(logits[:-1], -1)
+        return lp.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+    return score
+
+
+def _post(url: str, path: str, body: dict) -> dict:
+    r = httpx.post(url + path, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _targets(pd, where: str) -> str:
+    return pd.proxy.url if where == "pd" else pd.prefill[0].url
+
+
+@pytest.mark.parametrize("where", ["single", "pd"])
+def test_echo_logprobs_with_max_tokens_0_is_transformers_log_softmax(pd, hf_logprobs, where):
+    """lm-eval's local-completions loglikelihood request, read the way it reads it."""
+    prompt = ids(40, seed=301)
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+    answer = _post(_targets(pd, where), "/v1/completions", body)
+    choice = answer["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == len(prompt) == len(lp["tokens"]) == len(lp["top_logprobs"])
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    ref = hf_logprobs(prompt)
+    assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], ref)) < TOL
+    assert all(1 <= len(top) <= 2 for top in lp["top_logprobs"][1:])
+    assert choice["text"] and lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert answer["usage"]["completion_tokens"] == 0
+    assert answer["usage"]["prompt_tokens"] == len(prompt)
+
+
+@pytest.mark.parametrize("where", ["single", "pd"])
+def test_echo_with_generated_tokens(pd, hf_logprobs, where):
+    prompt = ids(24, seed=302)
+    body = {"prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 3, "temperature": 0,
+            "return_token_ids": True}
+    plain = _post(pd.prefill[0].url, "/v1/completions", {**body, "echo": False, "logprobs": None})
+    choice = _post(_targets(pd, where), "/v1/completions", body)["choices"][0]
+    generated = plain["choices"][0]["text"]
+    assert choice["text"].endswith(generated) and len(choice["text"]) > len(generated)
+    lps = choice["logprobs"]["token_logprobs"]
+    assert len(lps) == len(prompt) + 3 and lps[0] is None
+    assert max(abs(a - b) for a, b in zip(lps[1:len(prompt)], hf_logprobs(prompt))) < TOL
+
+
+@pytest.mark.parametrize("where", ["single", "pd"])
+def test_prompt_logprobs_in_vllms_shape(pd, hf_logprobs, where):
+    prompt = ids(40, seed=303)
+    body = {"prompt": prompt, "prompt_logprobs": 2, "max_tokens": 4, "temperature": 0,
+            "return_token_ids": True}
+    plain = _post(pd.prefill[0].url, "/v1/completions", {**body, "prompt_logprobs": None})
+    choice = _post(_targets(pd, where), "/v1/completions", body)["choices"][0]
+    assert choice["token_ids"] == plain["choices"][0]["token_ids"]
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(prompt) and entries[0] is None
+    ref = hf_logprobs(prompt)
+    for token, entry, expected in zip(prompt[1:], entries[1:], ref):
+        assert 2 <= len(entry) <= 3
+        mine = entry[str(token)]
+        assert abs(mine["logprob"] - expected) < TOL
+        assert mine["rank"] >= 1 and isinstance(mine["decoded_token"], str)
+        ranks = sorted(e["rank"] for t, e in entry.items() if t != str(token) or mine["rank"] <= 2)
+        assert ranks[:2] == [1, 2]
+
+
+@pytest.mark.parametrize("where", ["single", "pd"])
+def test_chat_prompt_logprobs(pd, where):
+    body = {"messages": [{"role": "user", "content": "score this prompt please"}], "max_tokens": 2,
+            "temperature": 0, "prompt_logprobs": 0}
+    answer = _post(_targets(pd, where), "/v1/chat/completions", body)
+    entries = answer["prompt_logprobs"]
+    assert len(entries) == answer["usage"]["prompt_tokens"] and entries[0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in entries[1:])
+
+
+def _stream_tokens(url: str, body: dict) -> dict[int, list[int]]:
+    tokens: dict[int, list[int]] = {}
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                for c in event["choices"]:
+                    tokens.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+    return tokens
+
+
+def _token_ids(answer: dict) -> list[list[int]]:
+    assert [c["index"] for c in answer["choices"]] == list(range(len(answer["choices"])))
+    return [c["token_ids"] for c in answer["choices"]]
+
+
+def test_n_seeded_through_pd_equals_single_instance_and_reads_once(pd):
+    decode = pd.decode[0]
+    body = {"prompt": ids(40, seed=304), "n": 3, "seed": 11, "temperature": 1.0, "max_tokens": 6,
+            "ignore_eos": True, "return_token_ids": True}
+    single = _token_ids(_post(pd.prefill[0].url, "/v1/completions", body))
+    assert len({tuple(t) for t in single}) > 1  # three samples, not one repeated
+    wait_idle(decode)
+    before = metric(decode, "pdserve:kv_transfers_total")
+    answer = _post(pd.proxy.url, "/v1/completions", body)
+    assert _token_ids(answer) == single
+    assert answer["usage"]["completion_tokens"] == 18
+    wait_idle(decode)
+    assert metric(decode, "pdserve:kv_transfers_total") - before == 1  # the prompt's KV, read once
+    streamed = _stream_tokens(pd.proxy.url, body)
+    assert [streamed[i] for i in range(3)] == single
+
+
+def test_greedy_n2_through_pd(pd):
+    body = {"prompt": ids(30, seed=305), "n": 2, "temperature": 0, "max_tokens": 5,
+            "return_token_ids": True}
+    single = _token_ids(_post(pd.prefill[0].url, "/v1/completions", body))
+    got = _token_ids(_post(pd.proxy.url, "/v1/completions", body))
+    assert got == single and got[0] == got[1]
+
+
+def test_list_of_prompts_through_pd(pd):
+    decode = pd.decode[0]
+    body = {"prompt": [ids(36, seed=306), ids(20, seed=307)], "n": 2, "seed": 5, "temperature": 0.8,
+            "max_tokens": 5, "ignore_eos": True, "return_token_ids": True}
+    single = _token_ids(_post(pd.prefill[0].url, "/v1/completions", body))
+    wait_idle(decode)
+    before = metric(decode, "pdserve:kv_transfers_total")
+    answer = _post(pd.proxy.url, "/v1/completions", body)
+    assert _token_ids(answer) == single
+    assert answer["usage"]["prompt_tokens"] == 56 and answer["usage"]["completion_tokens"] == 20
+    wait_idle(decode)
+    assert metric(decode, "pdserve:kv_transfers_total") - before == 2  # once per prompt
+    streamed = _stream_tokens(pd.proxy.url, body)
+    assert [streamed[i] for i in range(4)] == single
+
+
+@pytest.mark.parametrize("where", ["single", "pd"])
+def test_streamed_echo_carries_the_prompts_logprobs_first(pd, hf_logprobs, where):
+    prompt = ids(24, seed=308)
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 3, "temperature": 0, "stream": True}
+    firsts = []
+    with httpx.stream("POST", _targets(pd, where) + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                firsts += [c for c in json.loads(line[6:])["choices"] if c.get("logprobs")][:1]
+    lps = firsts[0]["logprobs"]["token_logprobs"]
+    assert len(lps) >= len(prompt) and lps[0] is None
+    assert max(abs(a - b) for a, b in zip(lps[1:len(prompt)], hf_logprobs(prompt))) < TOL
