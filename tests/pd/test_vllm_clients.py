@@ -1,13 +1,21 @@
 """What clients built for vLLM see of a pdserve deployment (issue 23): signed params that survive a
 router re-printing JSON numbers, vLLM's metric names, `/version`, `/ping`, `/tokenize`,
 `/detokenize`, continuous usage stats, `max_completion_tokens` and `cached_tokens`, on an instance
-and through the proxy. One producer, one decode instance, the proxy routing least-loaded (every
-request goes P -> D)."""
+and through the proxy; and vLLM's own router (PyPI `vllm-router`, in a venv of its own under
+~/.cache/pdserve-clients) in its P/D mode. One producer, one decode instance, the proxy routing
+least-loaded (every request goes P -> D)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -200,3 +208,87 @@ def test_cached_tokens_through_the_proxy(http, dep):
     assert (through.json()["usage"]["prompt_tokens_details"] or {}).get("cached_tokens") == cached, through.json()
     streamed = events(http, dep.proxy.url, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
     assert (streamed[-1]["usage"]["prompt_tokens_details"] or {}).get("cached_tokens") == cached, streamed[-1]
+
+
+# --- 5. vLLM's own Rust router in its P/D mode, with logprobs ---------------------------------------------
+
+ROUTER = "vllm-router==0.1.17"
+CLIENTS = Path.home() / ".cache" / "pdserve-clients"
+
+
+@pytest.fixture(scope="module")
+def vllm_router_bin() -> Path:
+    """vllm-router in a venv of its own, made once and kept for later runs."""
+    venv = CLIENTS / ROUTER.replace("==", "-")
+    binary = venv / "bin" / "vllm-router"
+    if not binary.exists():
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
+            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", ROUTER], check=True, capture_output=True,
+                           timeout=600)
+        except (subprocess.SubprocessError, OSError) as e:
+            out = getattr(e, "stderr", b"") or b""
+            pytest.skip(f"pip could not install {ROUTER}: {e} {out.decode(errors='replace')[-500:]}")
+    return binary
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_router(vllm_router_bin, dep, tmp_path_factory):
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("vllm-router") / "router.log", "wb")
+    proc = subprocess.Popen([str(vllm_router_bin), "--vllm-pd-disaggregation", "--host", "127.0.0.1",
+                             "--port", str(port), "--prefill", dep.prefill[0].url, "--decode", dep.decode[0].url,
+                             "--policy", "round_robin", "--worker-startup-timeout-secs", "30",
+                             "--disable-retries", "--log-level", "warning"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        assert proc.poll() is None, f"vllm-router exited with {proc.returncode}: see {log.name}"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"vllm-router not up in 30 s: see {log.name}"
+        time.sleep(0.2)
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    log.close()
+
+
+def test_vllm_router_pd_mode_with_logprobs(http, dep, vllm_router):
+    """vllm-router hands the producer's params to decode (re-encoding the JSON); with logprobs every
+    answer equals pdserve's proxy's, and decode READ the KV."""
+    transfers = [s for f in text_string_to_metric_families(http.get(dep.decode[0].url + "/metrics").text)
+                 for s in f.samples if s.name == "pdserve:kv_transfers_total"][0].value
+    for i in range(6):
+        path, body = ("/v1/completions", {"prompt": ids(30 + i, seed=i), "logprobs": 2}) if i % 2 else \
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": f"{PROMPT} {i}"}],
+                                      "logprobs": True, "top_logprobs": 2})
+        body = {"model": "tiny", "max_tokens": 5, "temperature": 0, "ignore_eos": True, **body}
+        r = http.post(vllm_router + path, json=body)
+        assert r.status_code == 200, r.text
+        want = http.post(dep.proxy.url + path, json=body).json()["choices"][0]
+        got = r.json()["choices"][0]
+        if i % 2:
+            assert got["text"] == want["text"]
+            assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-5)
+        else:
+            assert got["message"]["content"] == want["message"]["content"]
+            assert [t["logprob"] for t in got["logprobs"]["content"]] == \
+                pytest.approx([t["logprob"] for t in want["logprobs"]["content"]], abs=1e-5)
+    after = [s for f in text_string_to_metric_families(http.get(dep.decode[0].url + "/metrics").text)
+             for s in f.samples if s.name == "pdserve:kv_transfers_total"][0].value
+    assert after - transfers >= 6  # the router's six and the proxy's six went P -> D
