@@ -6,6 +6,11 @@ P/D give the single instance's answers, with each prompt's KV read once by decod
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
 
 import httpx
 import pytest
@@ -183,3 +188,87 @@ def test_streamed_echo_carries_the_prompts_logprobs_first(pd, hf_logprobs, where
     lps = firsts[0]["logprobs"]["token_logprobs"]
     assert len(lps) >= len(prompt) and lps[0] is None
     assert max(abs(a - b) for a, b in zip(lps[1:len(prompt)], hf_logprobs(prompt))) < TOL
+
+
+# --- lm-eval's loglikelihood (local-completions), in a venv of its own --------------------------------
+
+LM_EVAL = "lm-eval[api]==0.4.13"  # [api]: local-completions' client
+CLIENTS = Path.home() / ".cache" / "pdserve-clients"
+LM_EVAL_SCRIPT = """
+import json, sys
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+tokenizer, task_dir, *urls = sys.argv[1:]
+out = {}
+for url in urls:
+    args = (f"model=tiny,base_url={url}/v1/completions,tokenizer_backend=huggingface,tokenizer={tokenizer},"
+            "num_concurrent=1,max_retries=1,batch_size=3")
+    res = simple_evaluate(model="local-completions", model_args=args, tasks=["pdserve_tiny"],
+                          task_manager=TaskManager(include_path=task_dir), log_samples=True)
+    samples = sorted(res["samples"]["pdserve_tiny"], key=lambda s: s["doc_id"])
+    out[url] = [[float(r[0][0]) for r in s["resps"]] for s in samples]
+print("RESULT " + json.dumps(out))
+"""
+TASK = """task: pdserve_tiny
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: question
+doc_to_choice: choices
+doc_to_target: answer
+metric_list:
+  - metric: acc
+"""
+DOCS = [{"question": "The prefill server sends the cache to", "choices": [" the decode server", " nobody", " a cat"],
+         "answer": 0},
+        {"question": "Two plus two is", "choices": [" four", " five"], "answer": 0},
+        {"question": "A block of keys and values", "choices": [" moves over the wire", " stays", " is read once"],
+         "answer": 2}]
+
+
+@pytest.fixture(scope="module")
+def lm_eval_python() -> Path:
+    """lm-eval in a venv of its own, made once and kept: it sees this venv's packages (a .pth file),
+    and torch is pinned to the installed build so pip never fetches another."""
+    import torch
+    venv = CLIENTS / "lm-eval-0.4.13"
+    python = venv / "bin" / "python"
+    if not (python.exists() and subprocess.run([str(python), "-c", "import lm_eval, tenacity"], capture_output=True).returncode == 0):
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
+            site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                                  capture_output=True, text=True).stdout.strip()
+            (Path(site) / "pdserve-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+            constraints = venv / "constraints.txt"
+            constraints.write_text(f"torch=={torch.__version__}\n")
+            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "-c", str(constraints), LM_EVAL], check=True,
+                           capture_output=True, timeout=900)
+        except (subprocess.SubprocessError, OSError) as e:
+            out = getattr(e, "stderr", b"") or b""
+            pytest.skip(f"pip could not install {LM_EVAL}: {e} {out.decode(errors='replace')[-500:]}")
+    return python
+
+
+def test_lm_eval_loglikelihood_through_pd_equals_one_instance(pd, lm_eval_python, tiny_model, tmp_path):
+    """lm-eval 0.4's local-completions scores each choice with echo, logprobs and batches of three
+    prompts (the proxy splits them): through P/D it equals the producer serving alone."""
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    (tmp_path / "pdserve_tiny.yaml").write_text(TASK.format(data=data))
+    script = tmp_path / "run_lm_eval.py"
+    script.write_text(LM_EVAL_SCRIPT)
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_DATASETS_CACHE": str(tmp_path / "datasets"), "OMP_NUM_THREADS": "1"}
+    single, through = pd.prefill[0].url, pd.proxy.url
+    run = subprocess.run([str(lm_eval_python), str(script), tiny_model, str(tmp_path), single, through],
+                         capture_output=True, text=True, timeout=300, env=env)
+    line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert run.returncode == 0 and line, run.stderr[-3000:]
+    scores = json.loads(line[len("RESULT "):])
+    assert [len(s) for s in scores[single]] == [len(d["choices"]) for d in DOCS]
+    flat = [(a, b) for sa, sb in zip(scores[single], scores[through]) for a, b in zip(sa, sb)]
+    assert all(a < 0 for a, _ in flat)
+    assert max(abs(a - b) for a, b in flat) < TOL
