@@ -145,6 +145,24 @@ def test_seeded_sampling_continues_as_colocated(pd):
     assert complete(pd.proxy.url, ids, **{**params, "seed": 99})["choices"][0]["token_ids"] != colocated
 
 
+def test_sampling_controls_through_pd_as_colocated(pd):
+    """The producer's first token obeys logit_bias and allowed_token_ids; decode goes on with every
+    control, counting the prompt (repetition_penalty) and the producer's token (min_tokens): greedy
+    through P/D equals one instance, and the controls did change the answer."""
+    ids = prompt(40, seed=31)
+    plain = complete(pd.decode[0].url, ids)["choices"][0]["token_ids"]
+    banned, held_back = plain[0], plain[1]
+    allowed = sorted(set(plain) | set(ids[1:9]))
+    controls = {"logit_bias": {str(banned): -100.0}, "allowed_token_ids": allowed, "repetition_penalty": 1.5,
+                "min_tokens": MAX_TOKENS, "stop_token_ids": [held_back]}
+    through_pd = complete(pd.proxy.url, ids, **controls)
+    colocated = complete(pd.decode[0].url, ids, **controls)["choices"][0]["token_ids"]
+    tokens = through_pd["choices"][0]["token_ids"]
+    assert tokens == colocated
+    assert tokens[0] != banned and set(tokens) <= set(allowed) and held_back not in tokens
+    assert len(tokens) == MAX_TOKENS and through_pd["choices"][0]["finish_reason"] == "length"
+
+
 def test_a_next_turn_reads_only_what_decode_lacks_and_a_full_hit_reads_nothing(pd):
     """Turn 2 = turn 1's prompt + its answer + a new question: decode cached turn 1's prompt and
     answer (their full blocks), so it READs only the blocks it lacks, computes no prompt token, and

@@ -31,14 +31,14 @@ class RequestControls:
         self.has_penalties = (c.presence_penalty != 0.0 or c.frequency_penalty != 0.0
                               or c.repetition_penalty != 1.0)
         self.counts = None  # [vocab] float32: how often each token was generated
-        self.prompt_seen = None  # [vocab] bool: in the prompt (repetition_penalty only)
+        self.prompt_seen = None  # [vocab] float32, 1 where in the prompt (repetition_penalty only)
         if self.has_penalties:
             self.counts = torch.zeros(vocab_size)
             for t in self.output_token_ids:
                 self.counts[t] += 1.0
             if c.repetition_penalty != 1.0 and c.prompt_token_ids:
-                self.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool)
-                self.prompt_seen[torch.tensor(c.prompt_token_ids, dtype=torch.long)] = True
+                self.prompt_seen = torch.zeros(vocab_size)
+                self.prompt_seen[torch.tensor(c.prompt_token_ids, dtype=torch.long)] = 1.0
 
     def append(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -59,11 +59,16 @@ class RequestControls:
         return banned
 
 
+def take_rows(x: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """x[index] as a new tensor: row views stacked (advanced indexing is ~10x slower on CPU)."""
+    return x.clone() if index == list(range(x.shape[0])) else torch.stack([x[i] for i in index])
+
+
 def apply_controls(x: torch.Tensor, rows: list[RequestControls]) -> None:
     """x: [len(rows), vocab] float32, adjusted in place; rows[j] is row j's request."""
-    allowed = [j for j, r in enumerate(rows) if r.allowed_mask is not None]
-    if allowed:
-        x[allowed] += torch.stack([rows[j].allowed_mask for j in allowed])
+    for j, r in enumerate(rows):
+        if r.allowed_mask is not None:
+            x[j] += r.allowed_mask
     ban_rows, ban_ids = [], []
     for j, r in enumerate(rows):
         banned = r.banned()
@@ -78,21 +83,27 @@ def apply_controls(x: torch.Tensor, rows: list[RequestControls]) -> None:
                      torch.cat([rows[j].bias_values for j in biased]), accumulate=True)
     penalized = [j for j, r in enumerate(rows) if r.has_penalties]
     if penalized:
-        x[penalized] = _penalties(x[penalized], [rows[j] for j in penalized])
+        for j, row in zip(penalized, _penalties(take_rows(x, penalized), [rows[j] for j in penalized])):
+            x[j] = row
 
 
 def _penalties(x: torch.Tensor, rows: list[RequestControls]) -> torch.Tensor:
-    """vLLM's apply_penalties on [m, vocab] rows (all with some penalty)."""
-    counts = torch.stack([r.counts for r in rows])  # [m, vocab]
-    generated = counts > 0
-    seen = generated.clone()
-    for j, r in enumerate(rows):
-        if r.prompt_seen is not None:
-            seen[j] |= r.prompt_seen
+    """vLLM's apply_penalties on [m, vocab] rows (all with some penalty). Arithmetic on 0/1 floats
+    instead of masks: torch.where and comparisons over a [8, 49152] batch cost ~1.5 ms each on one
+    CPU thread, a multiply ~50 us."""
     c = [r.controls for r in rows]
-    repetition = torch.tensor([k.repetition_penalty for k in c])[:, None]
-    factor = torch.where(seen, repetition, 1.0)
-    x = torch.where(x > 0, x / factor, x * factor)
-    x -= torch.tensor([k.frequency_penalty for k in c])[:, None] * counts
-    x -= torch.tensor([k.presence_penalty for k in c])[:, None] * generated
+    counts = torch.stack([r.counts for r in rows])  # [m, vocab]
+    generated = counts.clamp(max=1.0)  # 1 where generated at least once
+    if any(k.repetition_penalty != 1.0 for k in c):
+        seen = generated.clone()
+        for j, r in enumerate(rows):
+            if r.prompt_seen is not None:
+                torch.maximum(seen[j], r.prompt_seen, out=seen[j])
+        repetition = torch.tensor([k.repetition_penalty for k in c])[:, None]
+        factor = seen.mul_(repetition - 1.0).add_(1.0)  # the penalty where seen, else 1
+        x = x.clamp(min=0).div_(factor).add_(x.clamp(max=0).mul_(factor))  # > 0 divided, < 0 multiplied
+    if any(k.frequency_penalty for k in c):
+        x -= torch.tensor([k.frequency_penalty for k in c])[:, None] * counts
+    if any(k.presence_penalty for k in c):
+        x -= torch.tensor([k.presence_penalty for k in c])[:, None] * generated
     return x

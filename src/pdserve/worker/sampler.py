@@ -15,7 +15,7 @@ import torch
 from pdserve.model.fused import argmax_logsumexp
 from pdserve.sampling_params import StructuredOutputs
 from pdserve.structured.matchers import Matchers
-from pdserve.worker.logits_controls import RequestControls, apply_controls
+from pdserve.worker.logits_controls import RequestControls, apply_controls, take_rows
 from pdserve.worker.messages import PromptLogprobs, SampledToken, SamplingSpec, ScheduledChunk
 
 _GREEDY_EPS = 1e-5
@@ -57,7 +57,7 @@ class Sampler:
         rows = [i for i, rid in enumerate(request_ids) if rid in self.controls]
         if not rows:
             return rows, None
-        x = logits[rows]  # advanced indexing copies
+        x = take_rows(logits, rows)
         apply_controls(x, [self.controls[request_ids[i]] for i in rows])
         return rows, x
 
@@ -69,7 +69,7 @@ class Sampler:
         tokens = greedy.tolist()
         rows, adjusted = self.adjusted(logits, request_ids)
         if adjusted is not None:
-            for i, token in zip(rows, adjusted.argmax(dim=-1).tolist()):
+            for i, token in zip(rows, argmax_logsumexp(adjusted)[0].tolist()):
                 tokens[i] = token
         row_of = {i: j for j, i in enumerate(rows)}
         for i, rid in enumerate(request_ids):
