@@ -190,6 +190,24 @@ def test_streamed_echo_carries_the_prompts_logprobs_first(pd, hf_logprobs, where
     assert max(abs(a - b) for a, b in zip(lps[1:len(prompt)], hf_logprobs(prompt))) < TOL
 
 
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_n_seeded_through_pd_equals_single_instance(pd, stream):
+    body = {"messages": [{"role": "user", "content": "tell me about the decode server " * 3}], "n": 2, "seed": 3,
+            "temperature": 1.0, "max_tokens": 5, "ignore_eos": True, "return_token_ids": True}
+    single = _post(pd.prefill[0].url, "/v1/chat/completions", body)
+    if not stream:
+        got = _post(pd.proxy.url, "/v1/chat/completions", body)
+        assert [c["token_ids"] for c in got["choices"]] == [c["token_ids"] for c in single["choices"]]
+        return
+    tokens: dict[int, list[int]] = {}
+    with httpx.stream("POST", pd.proxy.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    tokens.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+    assert [tokens[i] for i in range(2)] == [c["token_ids"] for c in single["choices"]]
+
 # --- lm-eval's loglikelihood (local-completions), in a venv of its own --------------------------------
 
 LM_EVAL = "lm-eval[api]==0.4.13"  # [api]: local-completions' client
