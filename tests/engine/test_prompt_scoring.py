@@ -88,16 +88,27 @@ def _prompt_logprobs(engine, request_id: str, prompt: list[int]):
     return found
 
 
-def test_prompt_logprobs_over_chunks_and_a_cached_prefix_are_transformers(chunked, tiny_model):
+def _reference(tiny_model: str, prompt: list[int]) -> list[float]:
     from transformers import AutoModelForCausalLM
-    prompt = ids(40, seed=401)  # three chunks of at most 16 tokens
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), -1)
-    ref = lp.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+    return lp.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+
+
+def test_prompt_logprobs_over_chunks_and_a_cached_prefix_are_transformers(chunked, tiny_model):
+    prompt = ids(40, seed=401)  # three chunks of at most 16 tokens
+    ref = _reference(tiny_model, prompt)
     engine = chunked.engine
     for run in range(2):  # the second finds the prompt's blocks cached, and computes them anyway
         entries = _prompt_logprobs(engine, f"score-{run}", prompt)
         assert entries[0] is None and len(entries) == len(prompt)
         assert max(abs(e.logprob - r) for e, r in zip(entries[1:], ref)) < 1e-4
         assert all(e.token_id == t and e.rank >= 1 and len(e.top) == 1 for e, t in zip(entries[1:], prompt[1:]))
+
+
+def test_prompt_logprobs_with_the_vocabulary_split_over_two_ranks(llm_tp2, tiny_model):
+    prompt = ids(30, seed=402)
+    entries = _prompt_logprobs(llm_tp2.engine, "score-tp2", prompt)
+    ref = _reference(tiny_model, prompt)
+    assert entries[0] is None and max(abs(e.logprob - r) for e, r in zip(entries[1:], ref)) < 1e-4
