@@ -290,3 +290,9 @@ def test_lm_eval_loglikelihood_through_pd_equals_one_instance(pd, lm_eval_python
     flat = [(a, b) for sa, sb in zip(scores[single], scores[through]) for a, b in zip(sa, sb)]
     assert all(a < 0 for a, _ in flat)
     assert max(abs(a - b) for a, b in flat) < TOL
+
+
+def test_echo_of_a_list_of_texts_gives_each_text_back(pd):
+    texts = ["first prompt, echoed", "the second one"]
+    answer = _post(pd.prefill[0].url, "/v1/completions", {"prompt": texts, "echo": True, "max_tokens": 0})
+    assert [c["text"] for c in answer["choices"]] == texts

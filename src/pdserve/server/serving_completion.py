@@ -104,8 +104,8 @@ class CompletionServing(BaseServing):
         first; with prompt_logprobs, those of every prompt token."""
         logprobs = None
         if req.echo:
-            echoed = self.tokenizer.decode(prompt, skip_special_tokens=False) \
-                if not isinstance(req.prompt, str) else req.prompt
+            given = req.prompt if isinstance(req.prompt, str) else req.prompt[c.index // req.n]
+            echoed = given if isinstance(given, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
             text = echoed + text
             if entries is not None:
                 scored = c.prompt_logprobs or [None] * len(prompt)  # None: a consumer's, the proxy fills them
