@@ -26,7 +26,8 @@ JSONISH = st.recursive(st.one_of(st.none(), st.booleans(), NUMBERS, st.text(max_
 FIELDS = ["n", "temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "logprobs",
           "top_logprobs", "stream", "ignore_eos", "max_completion_tokens", "presence_penalty", "echo",
           "chat_template", "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
-          "return_token_ids", "stream_options", "model"]
+          "return_token_ids", "stream_options", "model", "frequency_penalty", "repetition_penalty", "min_p",
+          "min_tokens", "logit_bias", "allowed_token_ids", "bad_words", "best_of", "use_beam_search", "request_id"]
 KV_KEYS = ["do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_host", "remote_port",
            "remote_block_ids", "remote_request_id", "tp_size", "first_token_id", "first_token_logprob",
            "first_token_top_logprobs", "prompt_hash", "lease_s", "expires_at", "signature"]

@@ -55,7 +55,7 @@ COMPLETION_ONLY = [("best_of", 3), ("prompt_embeds", "AAAA"), ("add_special_toke
 CHAT_ONLY = [("add_special_tokens", True), ("documents", [{"text": "d"}]), ("reasoning_effort", "low"),
              ("include_reasoning", False), ("audio", {"voice": "x"}), ("modalities", ["text", "audio"]),
              ("prediction", {"type": "content"}), ("web_search_options", {}), ("functions", [{"name": "f"}]),
-             ("function_call", "auto"), ("verbosity", "high")]
+             ("function_call", "auto"), ("verbosity", "high"), ("echo", True)]
 
 
 @pytest.mark.parametrize("chat, field, value", [(False, f, v) for f, v in REFUSED + COMPLETION_ONLY]

@@ -156,12 +156,13 @@ class ChatCompletionRequest(_Request):
     functions: Any = None
     function_call: Any = None
     verbosity: Any = None
+    echo: Any = False  # vLLM's chat echo (the last message of the same role first): not implemented
 
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         **_Request.NEUTRAL, "add_special_tokens": (False,), "documents": (None,), "reasoning_effort": (None,),
         "include_reasoning": (True,), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
         "web_search_options": (None,), "functions": (None,), "function_call": (None, "none"),
-        "verbosity": (None, "medium")}
+        "verbosity": (None, "medium"), "echo": (False,)}
 
 
 def refused_field(req: _Request) -> str | None:
