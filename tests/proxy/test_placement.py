@@ -179,3 +179,10 @@ def test_an_instance_measured_several_times_faster_draws_the_work():
         s.prefill_tokens_per_s = 1000.0
     r.prefill.states[2].prefill_tokens_per_s = 3000.0  # other hardware, not noise
     assert {place(r, PROMPT, now=60.0 * i).prefill[0].url for i in range(4)} == {"http://p2"}
+
+
+def test_a_prompt_shorter_than_a_block_is_placed():
+    """No full block, no hashes: nothing is cached anywhere (the proxy answered 500 to short chats)."""
+    r = router("kv-aware", {})
+    plan = place(r, PROMPT[:5])
+    assert not plan.local and plan.decode_uncached == 5

@@ -147,7 +147,8 @@ class _Cached:
     def held(self, state: UpstreamState) -> int:
         if state.url not in self._held:
             hashes = self._of(state)
-            self._held[state.url] = hashes and self.router.index.cached_blocks(state.url, hashes) * _block_size(state)
+            self._held[state.url] = self.router.index.cached_blocks(state.url, hashes) * _block_size(state) \
+                if hashes else 0
         return self._held[state.url]
 
     def computing(self, state: UpstreamState, until: float) -> None:
