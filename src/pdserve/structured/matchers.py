@@ -22,6 +22,7 @@ from pdserve.structured.grammar import grammar_text
 
 logger = logging.getLogger(__name__)
 _CACHED_GRAMMARS = 64
+_NEG_INF = torch.tensor(float("-inf"))
 
 
 class _Failed:
@@ -69,20 +70,28 @@ class Matchers:
         self.active.pop(request_id, None)
 
     def mask(self, logits: torch.Tensor, request_ids: list[str]) -> None:
-        """logits [rows, vocab], in place: every token a row's grammar does not allow -> -inf."""
-        for i, rid in enumerate(request_ids):
-            matcher = self.active.get(rid)
-            if matcher is None:
-                continue
+        """logits [rows, vocab], in place: every token a row's grammar does not allow -> -inf. The
+        constrained rows' bitmasks are filled side by side and applied in one pass."""
+        rows = [i for i, rid in enumerate(request_ids) if rid in self.active]
+        if not rows:
+            return
+        words = (self.vocab_size + 31) // 32
+        bitmask = np.zeros((len(rows), words), dtype=np.uint32)  # [rows, vocab / 32], bit t = token t
+        for j, i in enumerate(rows):
+            matcher = self.active[request_ids[i]]
             if matcher.is_error():  # cannot happen to a masked row; end the request rather than guess
-                allowed = torch.zeros(logits.shape[1], dtype=torch.bool)
-                allowed[self.eos_token_ids] = True
+                for t in self.eos_token_ids:
+                    bitmask[j, t // 32] |= np.uint32(1 << (t % 32))
             else:
-                bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
-                                     bitorder="little")
-                allowed = torch.from_numpy(bits[:logits.shape[1]].astype(bool))
-            with torch.inference_mode():  # the model's logits are inference tensors
-                logits[i].masked_fill_(~allowed, float("-inf"))
+                matcher.unsafe_compute_mask_ptr(bitmask[j].ctypes.data, words * 4)
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=logits.shape[1], bitorder="little")
+        allowed = torch.from_numpy(bits).view(torch.bool)  # [rows, vocab]
+        with torch.inference_mode():  # the model's logits are inference tensors
+            if len(rows) == logits.shape[0]:
+                torch.where(allowed, logits, _NEG_INF, out=logits)
+            else:
+                index = torch.tensor(rows)
+                logits[index] = torch.where(allowed, logits[index], _NEG_INF)
 
     def accept(self, request_ids: list[str], token_ids: list[int]) -> None:
         for rid, token in zip(request_ids, token_ids):
