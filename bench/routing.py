@@ -1,16 +1,18 @@
 """Routing policies side by side on mock instances: a trace replayed through 4 producers and
 4 decode instances (`pdserve up --mock-engine`), under kv-aware, least-loaded and round-robin.
 
-    .venv/bin/python bench/routing.py [--rows 400] [--speedup 4] [--quick]
+    .venv/bin/python bench/routing.py [--rows 800] [--speedup 1] [--num-blocks 384] [--quick]
 
 The trace is Mooncake's format (timestamp, input_length, output_length, hash_ids, session_id),
 made here and written next to the results: conversations that share a few system prompts and whose
 turns carry their history (each turn appends its own hash ids), arriving over time with think time
 between turns. Each hash id is 64 tokens (`--trace-block-tokens 64`, 4 KV blocks); every instance
-holds a few percent of the trace's unique blocks (`--num-blocks`). Per policy: the prefix hit rate
+holds ~4.5 % of the trace's unique blocks (`--num-blocks`). Answers are short (16-64 tokens): the
+benchmark is about prefill and TTFT, and eight instances stepping through long answers would keep
+this machine's two cores busy with the engines' own overhead. Per policy: the prefix hit rate
 (prompt tokens no instance computed) beside what one LRU cache of all the instances' blocks would
-reach on the same requests, the busiest instance's share of prompt tokens against the mean in each
-pool, and TTFT p50/p90. Results: bench/results/routing.json.
+reach on the same requests, how evenly each pool computed prompt tokens (busiest over mean), the
+proxy's P/D decisions and TTFT p50/p90. Results: bench/results/routing.json.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ from pdserve.cli import ensure_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
-POLICIES = ("kv-aware", "least-loaded", "round-robin")
+POLICIES = ("kv-aware", "least-loaded", "least-loaded/no-pulls", "round-robin")
 BLOCK_TOKENS = 64  # tokens per trace hash id here
-NUM_BLOCKS = 160  # KV blocks per instance (16 tokens each)
+NUM_BLOCKS = 384  # KV blocks per instance (16 tokens each): ~4.5 % of the default trace's unique blocks
 
 
 def make_trace(rows: int, seed: int) -> list[dict]:
@@ -54,7 +56,7 @@ def make_trace(rows: int, seed: int) -> list[dict]:
         s["turns"] += 1
         s["at"] = max(s["at"], t) + rng.uniform(0.5, 3.0)  # think time
         out.append({"timestamp": round(s["at"] * 1000), "input_length": len(s["ids"]) * 512,
-                    "output_length": rng.randint(16, 48) * 8, "hash_ids": list(s["ids"]),
+                    "output_length": rng.randint(2, 8) * 8, "hash_ids": list(s["ids"]),
                     "session_id": s["id"]})
         s["ids"] += [next_id]  # the answer joins the history
         next_id += 1
@@ -71,44 +73,45 @@ def metric_sum(url: str, name: str) -> float:
                    if line.startswith(name + "{") or line.startswith(name + " "))
 
 
-def run_policy(model: str, policy: str, trace: Path, args, work: Path) -> dict:
-    port_file = work / f"{policy}.port"
-    log_dir = work / policy
+def run_up(model: str, policy: str, up_args: list[str], bench_args: list[str], work: Path) -> dict:
+    """`pdserve up MODEL --routing POLICY *up_args`, then `pdserve bench serve *bench_args` through its
+    proxy with every instance's counters; the bench's result with per-instance computed prompt
+    tokens (`computed`), how evenly each pool computed them (`busiest_over_mean`) and the proxy's
+    P/D decisions."""
+    name = f"{policy}-{len(list(work.glob('*.up.log')))}"
+    port_file = work / f"{name}.port"
     up = subprocess.Popen(
-        [*PDSERVE, "up", model, "--mock-engine", "--mock-speedup", str(args.speedup), "--prefill", "4",
-         "--decode", "4", "--routing", policy, "--port", "0", "--port-file", str(port_file),
-         "--log-dir", str(log_dir), "--instance-args", f"--num-blocks {NUM_BLOCKS} --max-num-seqs 16"],
-        stdout=subprocess.DEVNULL, stderr=open(work / f"{policy}.up.log", "w"), start_new_session=True)
+        [*PDSERVE, "up", model, "--routing", policy, "--port", "0", "--port-file", str(port_file),
+         "--log-dir", str(work / name), *up_args],
+        stdout=subprocess.DEVNULL, stderr=open(work / f"{name}.up.log", "w"), start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while not port_file.exists():
             if up.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"pdserve up ({policy}) did not start: {work / f'{policy}.up.log'}")
+                raise RuntimeError(f"pdserve up ({policy}) did not start: {work / f'{name}.up.log'}")
             time.sleep(0.5)
         proxy = "http://127.0.0.1:%d" % json.loads(port_file.read_text())["port"]
         health = json.loads(urllib.request.urlopen(proxy + "/health", timeout=30).read())
         instances = {role: sorted(health[role]) for role in ("prefill", "decode")}
         urls = instances["prefill"] + instances["decode"]
-        before = {u: metric_sum(u, "pdserve:prompt_tokens_total") for u in urls}
-        result = work / f"{policy}.json"
+        before = {u: metric_sum(u, "pdserve:prompt_tokens_computed_total") for u in urls}
+        result = work / f"{name}.json"
         subprocess.run(
-            [*PDSERVE, "bench", "serve", "--base-url", proxy, "--dataset-name", "trace", "--dataset-path",
-             str(trace), "--trace-block-tokens", str(BLOCK_TOKENS), "--trace-time-scale", str(args.time_scale),
-             "--lru-bound-blocks", str(NUM_BLOCKS * len(urls)), "--save-result", "--result-dir", str(work),
-             "--result-filename", result.name,
-             "--disable-tqdm", *[x for u in urls for x in ("--metrics-url", u)]],
+            [*PDSERVE, "bench", "serve", "--base-url", proxy, *bench_args, "--save-result", "--result-dir",
+             str(work), "--result-filename", result.name, "--disable-tqdm",
+             *[x for u in urls for x in ("--metrics-url", u)]],
             check=True, timeout=1800, stdout=subprocess.DEVNULL)
         bench = json.loads(result.read_text())
-        tokens = {u: metric_sum(u, "pdserve:prompt_tokens_total") - before[u] for u in urls}
-        balance = {}
+        tokens = {u: metric_sum(u, "pdserve:prompt_tokens_computed_total") - before[u] for u in urls}
+        bench["decisions"] = {d: metric_sum(proxy, f'pdserve_proxy:pd_decisions_total{{decision="{d}"}}')
+                              for d in ("local", "remote")}
+        bench["computed"] = tokens
+        bench["busiest_over_mean"] = {}
         for role, members in instances.items():
             loads = [tokens[u] for u in members]
-            balance[role] = round(max(loads) / (sum(loads) / len(loads)), 3) if sum(loads) else None
-        return {"policy": policy, "ttft_p50_ms": bench.get("median_ttft_ms"), "ttft_p90_ms": bench.get("p90_ttft_ms"),
-                "completed": bench.get("completed"), "failed": bench.get("failed"),
-                "prefix_hit_rate": bench.get("prefill_hit_rate"), "lru_bound_hit_rate": bench.get("lru_bound_hit_rate"),
-                "unbounded_cache_hit_rate": bench.get("unbounded_cache_hit_rate"),
-                "busiest_over_mean": balance, "prompt_tokens_by_instance": tokens}
+            bench["busiest_over_mean"][role] = round(max(loads) / (sum(loads) / len(loads)), 3) \
+                if sum(loads) else None
+        return bench
     finally:
         os.killpg(up.pid, signal.SIGTERM)
         try:
@@ -117,13 +120,65 @@ def run_policy(model: str, policy: str, trace: Path, args, work: Path) -> dict:
             os.killpg(up.pid, signal.SIGKILL)
 
 
+def run_policy(model: str, policy: str, trace: Path, args, work: Path) -> dict:
+    """`policy`, or `least-loaded/no-pulls`: producers never claim blocks from other instances, so each
+    instance reuses only its own cache (as a cache-blind router's deployment does elsewhere)."""
+    routing, _, variant = policy.partition("/")
+    extra = " --kv-pull-min-tokens 0" if variant == "no-pulls" else ""
+    bench = run_up(
+        model, routing, ["--mock-engine", "--mock-speedup", str(args.speedup), "--prefill", "4", "--decode", "4",
+                         "--instance-args", f"--num-blocks {args.num_blocks} --max-num-seqs 16{extra}"],
+        ["--dataset-name", "trace", "--dataset-path", str(trace), "--trace-block-tokens", str(BLOCK_TOKENS),
+         "--trace-time-scale", str(args.time_scale), "--lru-bound-blocks", str(args.num_blocks * 8)], work)
+    return {"policy": policy, "ttft_p50_ms": bench.get("median_ttft_ms"), "ttft_p90_ms": bench.get("p90_ttft_ms"),
+            "completed": bench.get("completed"), "failed": bench.get("failed"),
+            "prefix_hit_rate": bench.get("prefill_hit_rate"), "lru_bound_hit_rate": bench.get("lru_bound_hit_rate"),
+            "unbounded_cache_hit_rate": bench.get("unbounded_cache_hit_rate"),
+            "busiest_over_mean": bench["busiest_over_mean"], "prompt_tokens_computed_by_instance": bench["computed"],
+            "decisions": bench["decisions"]}
+
+
+def plot(out: dict, path: Path) -> None:
+    """Per policy: hit rate beside the LRU bound, TTFT p50/p90, prompt tokens each instance computed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    results = out["results"]
+    names = [r["policy"] for r in results]
+    fig, (hit, ttft, load) = plt.subplots(1, 3, figsize=(13, 3.6))
+    hit.bar(names, [r["prefix_hit_rate"] for r in results], color="tab:blue", label="hit rate")
+    hit.plot(names, [r["lru_bound_hit_rate"] for r in results], "k_", markersize=40, label="one LRU cache")
+    hit.set_ylim(0, 1)
+    hit.set_title("prefix hit rate")
+    hit.legend(loc="lower right", fontsize=8)
+    x = range(len(names))
+    ttft.bar([i - 0.2 for i in x], [r["ttft_p50_ms"] for r in results], 0.4, label="p50")
+    ttft.bar([i + 0.2 for i in x], [r["ttft_p90_ms"] for r in results], 0.4, label="p90")
+    ttft.set_xticks(list(x), names)
+    ttft.set_title("TTFT (ms)")
+    ttft.legend(fontsize=8)
+    for i, r in enumerate(results):
+        tokens = list(r["prompt_tokens_computed_by_instance"].values())
+        width = 0.8 / len(tokens)
+        load.bar([i - 0.4 + width * (j + 0.5) for j in range(len(tokens))], tokens, width,
+                 color=["tab:orange"] * 4 + ["tab:green"] * (len(tokens) - 4))
+    load.set_xticks(list(x), names)
+    load.set_title("prompt tokens computed per instance\n(orange: producers, green: decode)", fontsize=9)
+    fig.suptitle(f"4P4D mock instances, {out['rows']}-request conversation trace", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=400)
-    p.add_argument("--speedup", type=float, default=4.0, help="--mock-speedup of every instance")
+    p.add_argument("--rows", type=int, default=800)
+    p.add_argument("--num-blocks", type=int, default=NUM_BLOCKS, help="KV blocks per instance")
+    p.add_argument("--speedup", type=float, default=1.0, help="--mock-speedup of every instance")
     p.add_argument("--time-scale", type=float, default=1.0, help="--trace-time-scale")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="60 rows, kv-aware and least-loaded only")
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, kv-aware first")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "routing.json"))
     args = p.parse_args()
     rows = 60 if args.quick else args.rows
@@ -131,19 +186,24 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="pdserve-routing-"))
     trace = work / "trace.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in make_trace(rows, args.seed)))
-    results = [run_policy(model, policy, trace, args, work) for policy in
-               (POLICIES[:2] if args.quick else POLICIES)]
+    policies = POLICIES[:2] if args.quick else tuple(args.policies.split(","))
+    results = [run_policy(model, policy, trace, args, work) for policy in policies]
     by = {r["policy"]: r for r in results}
-    kv, ll = by["kv-aware"], by["least-loaded"]
+    kv, ll = by["kv-aware"], by.get("least-loaded", {})
     summary = {
         "hit_rate_over_lru_bound": round(kv["prefix_hit_rate"] / kv["lru_bound_hit_rate"], 3)
         if kv["prefix_hit_rate"] is not None and kv["lru_bound_hit_rate"] else None,
         "kv_aware_busiest_over_mean": kv["busiest_over_mean"],
         "ttft_p90_least_loaded_over_kv_aware": round(ll["ttft_p90_ms"] / kv["ttft_p90_ms"], 2)
-        if kv["ttft_p90_ms"] and ll["ttft_p90_ms"] else None}
-    out = {"rows": rows, "speedup": args.speedup, "time_scale": args.time_scale, "num_blocks_per_instance": NUM_BLOCKS,
+        if kv["ttft_p90_ms"] and ll.get("ttft_p90_ms") else None,
+        "ttft_p90_over_kv_aware": {r["policy"]: round(r["ttft_p90_ms"] / kv["ttft_p90_ms"], 2)
+                                   for r in results if r is not kv and r["ttft_p90_ms"] and kv["ttft_p90_ms"]},
+        "ttft_p50_over_kv_aware": {r["policy"]: round(r["ttft_p50_ms"] / kv["ttft_p50_ms"], 2)
+                                   for r in results if r is not kv and r["ttft_p50_ms"] and kv["ttft_p50_ms"]}}
+    out = {"rows": rows, "speedup": args.speedup, "time_scale": args.time_scale, "num_blocks_per_instance": args.num_blocks,
            "block_tokens_per_hash_id": BLOCK_TOKENS, "results": results, "summary": summary}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    plot(out, Path(args.out).with_suffix(".png"))
     for r in results:
         print(f"{r['policy']:13} hit rate {r['prefix_hit_rate']} (LRU bound {r['lru_bound_hit_rate']}), "
               f"TTFT p50/p90 {r['ttft_p50_ms']}/{r['ttft_p90_ms']} ms, busiest/mean {r['busiest_over_mean']}")

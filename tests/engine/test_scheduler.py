@@ -275,3 +275,22 @@ def test_a_pull_counts_its_prompt_once_and_what_it_read_as_hits():
     s.load_ended(r2, TransferState.RECOMPUTING)  # nobody held any: computed here, not asked again
     s.schedule()
     assert s.num_prefix_cache_queries == 34 and s.num_prefix_cache_hits == 2 * BLOCK_SIZE
+
+
+def test_siblings_sharing_an_uncached_prefix_compute_it_once():
+    """Two requests that arrive together with the same 12-token prefix: the second waits one step
+    for the first to compute the prefix, then finds it cached (a third, unrelated one is not held)."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=8), BlockPool(64, BLOCK_SIZE))
+    prefix = list(range(100, 112))  # 3 full blocks
+    s.add(Request("a", prefix + [1, 2], SamplingParams(), (), 8))
+    s.add(Request("b", prefix + [3, 4, 5], SamplingParams(), (), 8))
+    s.add(Request("c", list(range(200, 214)), SamplingParams(), (), 8))
+    out = s.schedule()
+    assert sorted(c.request_id for c in out.chunks) == ["a", "c"]
+    s.advance(out)
+    out = s.schedule()
+    b = next(c for c in out.chunks if c.request_id == "b")
+    assert b.start_pos == 12 and b.token_ids == [3, 4, 5]  # the prefix came from the cache
+    assert s.requests["b"].num_cached_tokens == 12
+    s.advance(out)
+    assert s.num_prompt_tokens_computed == 14 + 3 + 14

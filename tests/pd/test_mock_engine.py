@@ -1,9 +1,12 @@
-"""The mock engine through real processes: a 1P1D deployment of `pdserve serve --mock-engine` answers
+"""The mock engine through real processes: a 2P1D deployment of `pdserve serve --mock-engine` answers
 with the mock's tokens, which are a function of the whole context as read back from the KV cache, so
 they come out right only if the producer's KV arrived intact over real NIXL; nothing is computed on
-a core, and nothing leaks."""
+a core, and nothing leaks. Sibling requests that arrive together with a shared prefix have it
+computed once (one producer, one prefill of it)."""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -16,7 +19,7 @@ from servers import INSTANCE_ARGS, get_json, metric, post_json, wait_idle
 
 @pytest.fixture(scope="module")
 def mock_pd(tiny_model, tmp_path_factory):
-    dep = Deployment(tiny_model, [1], [1, 1], instance_args=[*INSTANCE_ARGS, "--mock-engine", "--mock-speedup", "20"],
+    dep = Deployment(tiny_model, [1, 1], [1], instance_args=[*INSTANCE_ARGS, "--mock-engine", "--mock-speedup", "20"],
                      log_dir=str(tmp_path_factory.mktemp("mock")))
     dep.start(timeout_s=120)
     dep.vocab = ModelSpec.from_dir(tiny_model).vocab_size
@@ -32,16 +35,14 @@ def mock_answer(prompt: list[int], n: int, vocab: int) -> list[int]:
 
 
 def test_mock_instances_answer_from_the_kv_they_read(mock_pd):
-    before = metric(mock_pd.decode[0], "pdserve:kv_transfers_total") + metric(mock_pd.decode[1],
-                                                                             "pdserve:kv_transfers_total")
+    before = sum(metric(d, "pdserve:kv_transfers_total") for d in mock_pd.decode)
     for n in (5, 40, 100):
         p = ids(n, seed=1300 + n)
         code, body = post_json(mock_pd.proxy.url + "/v1/completions",
                                {"prompt": p, "max_tokens": 8, "temperature": 0, "return_token_ids": True})
         assert code == 200, body
         assert body["choices"][0]["token_ids"] == mock_answer(p, 8, mock_pd.vocab)
-    after = metric(mock_pd.decode[0], "pdserve:kv_transfers_total") + metric(mock_pd.decode[1],
-                                                                            "pdserve:kv_transfers_total")
+    after = sum(metric(d, "pdserve:kv_transfers_total") for d in mock_pd.decode)
     assert after - before == 3  # every prompt's KV was READ by decode
     for inst in mock_pd.instances:
         s = wait_idle(inst)
@@ -63,3 +64,20 @@ def test_a_mock_never_pairs_with_a_real_engine(mock_pd, tiny_model, tmp_path_fac
     finally:
         real.stop()
     assert get_json(mock_pd.proxy.url + "/health")
+
+
+def test_siblings_arriving_together_compute_their_shared_prefix_once(mock_pd):
+    prefix = ids(480, seed=1500)  # 30 blocks nobody caches; each sibling adds 16 tokens of its own
+    prompts = [prefix + ids(16, seed=1510 + i) for i in range(3)]
+    before = sum(metric(p, "pdserve:prompt_tokens_computed_total") for p in mock_pd.prefill)
+
+    def ask(p):
+        return post_json(mock_pd.proxy.url + "/v1/completions",
+                         {"prompt": p, "max_tokens": 4, "temperature": 0, "return_token_ids": True})
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(ask, prompts))
+    for p, (code, body) in zip(prompts, answers):
+        assert code == 200, body
+        assert body["choices"][0]["token_ids"] == mock_answer(p, 4, mock_pd.vocab)
+    computed = sum(metric(p, "pdserve:prompt_tokens_computed_total") for p in mock_pd.prefill) - before
+    assert computed == 480 + 3 * 16  # one producer computed the prefix, once

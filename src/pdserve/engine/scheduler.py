@@ -114,6 +114,7 @@ class Scheduler:
             chunks.append(self._chunk(request, num_new, new_requests))
             budget -= num_new
 
+        deferred = []  # waiting on blocks a running request computes in this step (kept in order)
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
             if request.transfer == TransferState.AWAITING_KV:
@@ -127,11 +128,15 @@ class Scheduler:
                 if not pulled:
                     break
                 continue
+            if self._prefix_computing(request):
+                deferred.append(self.waiting.popleft())
+                continue
             if not self._admit(request, budget):
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             chunks.append(self._chunk(request, num_new, new_requests))
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))
 
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(chunks, new_requests, finished, preempted, remote_loads, remote_pulls)
@@ -155,6 +160,23 @@ class Scheduler:
         other = self.requests.get(request_id) if request_id is not None else None
         return other is not None and (other.status == RequestStatus.WAITING_FOR_REMOTE_KV or (
             other.status == RequestStatus.WAITING and other.transfer == TransferState.AWAITING_KV))
+
+    def _prefix_computing(self, request: Request) -> bool:
+        """Whether the first block of its prompt this instance does not cache is one a running request
+        is computing: it then waits and finds it cached (siblings that arrive together with a shared
+        prefix compute it once)."""
+        if not self.pool.enable_prefix_caching or request.prompt_logprobs is not None:
+            return False
+        bs = self.pool.block_size
+        k = len(self.pool.match_prefix(request))
+        if k >= (request.num_tokens - 1) // bs:
+            return False
+        wanted = self.pool.block_hashes(request, k + 1)[k]
+        for other in self.running:
+            done, full = other.num_computed_tokens // bs, other.num_prompt_tokens // bs
+            if done < full and wanted in self.pool.block_hashes(other, full)[done:]:
+                return True
+        return False
 
     def _chunk(self, request: Request, num_new: int, new_requests: list[NewRequest]) -> ScheduledChunk:
         start = request.num_computed_tokens
