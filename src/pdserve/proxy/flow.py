@@ -46,7 +46,7 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 PROTOCOLS = ("auto", "pdserve", "vllm")
 CLIENT_GONE = 499  # nginx's code: the client closed the connection
-MAX_HOLDERS = 4  # decode instances named to a producer to claim a prompt's cached blocks from
+MAX_HOLDERS = 4  # instances named to a producer to claim a prompt's cached blocks from
 ASK_AGAIN_S = 5.0  # `auto`: after no answer about the protocol, requests go on as pdserve this long
 
 
@@ -142,7 +142,7 @@ class PDFlow:
         p_body["kv_transfer_params"] = PREFILL_PARAMS
         holders = [s.kv_holder for s in plan.holders if s.kv_holder][:MAX_HOLDERS]
         if protocol == "pdserve" and holders:
-            # decode instances that may cache this prompt's history: the producer claims it there
+            # instances that may cache this prompt (a history, a shared system prompt): the producer claims it there
             p_body["kv_transfer_params"] = {**PREFILL_PARAMS, "kv_holders": holders}
         if protocol == "vllm":
             p_body["max_tokens"] = 1

@@ -70,7 +70,7 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
         return r if r and not typical / ALIKE <= r <= typical * ALIKE else typical
 
     decodes = router.decode.states
-    caches = sorted((s for s in router.prefill.states + decodes if s.healthy), key=lambda s: -cached(s))
+    caches = [s for s in router.prefill.states + decodes if s.healthy]  # where a producer may pull from
 
     def pullable(p: UpstreamState) -> int:  # the most another instance caches: p may claim it there
         return max((cached.held(s) for s in caches if s is not p), default=0)
