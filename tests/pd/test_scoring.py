@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from clients import client_venv
 from helpers import ids
 from servers import metric, start_deployment, wait_idle
 
@@ -211,7 +210,6 @@ def test_chat_n_seeded_through_pd_equals_single_instance(pd, stream):
 # --- lm-eval's loglikelihood (local-completions), in a venv of its own --------------------------------
 
 LM_EVAL = "lm-eval[api]==0.4.13"  # [api]: local-completions' client
-CLIENTS = Path.home() / ".cache" / "pdserve-clients"
 LM_EVAL_SCRIPT = """
 import json, sys
 from lm_eval import simple_evaluate
@@ -249,25 +247,8 @@ DOCS = [{"question": "The prefill server sends the cache to", "choices": [" the 
 
 @pytest.fixture(scope="module")
 def lm_eval_python() -> Path:
-    """lm-eval in a venv of its own, made once and kept: it sees this venv's packages (a .pth file),
-    and torch is pinned to the installed build so pip never fetches another."""
-    import torch
-    venv = CLIENTS / "lm-eval-0.4.13"
-    python = venv / "bin" / "python"
-    if not (python.exists() and subprocess.run([str(python), "-c", "import lm_eval, tenacity"], capture_output=True).returncode == 0):
-        try:
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
-            site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
-                                  capture_output=True, text=True).stdout.strip()
-            (Path(site) / "pdserve-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-            constraints = venv / "constraints.txt"
-            constraints.write_text(f"torch=={torch.__version__}\n")
-            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "-c", str(constraints), LM_EVAL], check=True,
-                           capture_output=True, timeout=900)
-        except (subprocess.SubprocessError, OSError) as e:
-            out = getattr(e, "stderr", b"") or b""
-            pytest.skip(f"pip could not install {LM_EVAL}: {e} {out.decode(errors='replace')[-500:]}")
-    return python
+    """lm-eval sees this venv's packages, torch pinned to the installed build (tests/clients.py)."""
+    return client_venv(LM_EVAL, "import lm_eval, tenacity", see_our_packages=True) / "bin" / "python"
 
 
 def test_lm_eval_loglikelihood_through_pd_equals_one_instance(pd, lm_eval_python, tiny_model, tmp_path):

@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from clients import client_venv
 from helpers import ids
 from pdserve.launcher import Deployment
 from servers import INSTANCE_ARGS
@@ -213,23 +213,12 @@ def test_cached_tokens_through_the_proxy(http, dep):
 # --- 5. vLLM's own Rust router in its P/D mode, with logprobs ---------------------------------------------
 
 ROUTER = "vllm-router==0.1.17"
-CLIENTS = Path.home() / ".cache" / "pdserve-clients"
 
 
 @pytest.fixture(scope="module")
 def vllm_router_bin() -> Path:
-    """vllm-router in a venv of its own, made once and kept for later runs."""
-    venv = CLIENTS / ROUTER.replace("==", "-")
-    binary = venv / "bin" / "vllm-router"
-    if not binary.exists():
-        try:
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
-            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", ROUTER], check=True, capture_output=True,
-                           timeout=600)
-        except (subprocess.SubprocessError, OSError) as e:
-            out = getattr(e, "stderr", b"") or b""
-            pytest.skip(f"pip could not install {ROUTER}: {e} {out.decode(errors='replace')[-500:]}")
-    return binary
+    return client_venv(ROUTER, "import os, sys; sys.exit(not os.path.exists(sys.prefix + '/bin/vllm-router'))") \
+        / "bin" / "vllm-router"
 
 
 def free_port() -> int:
