@@ -144,7 +144,7 @@ def plot(out: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     results = out["results"]
-    names = [r["policy"] for r in results]
+    names = [r["policy"].replace("/", "\n") for r in results]
     fig, (hit, ttft, load) = plt.subplots(1, 3, figsize=(13, 3.6))
     hit.bar(names, [r["prefix_hit_rate"] for r in results], color="tab:blue", label="hit rate")
     hit.plot(names, [r["lru_bound_hit_rate"] for r in results], "k_", markersize=40, label="one LRU cache")
