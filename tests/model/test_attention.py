@@ -47,3 +47,20 @@ def test_kernel_and_fallback_match_reference(kv_heads, heads, window, bs, d):
     kernel = native_decode()
     assert kernel is not None, "the C kernel should build here (gcc is present)"
     assert torch.allclose(kernel(q, kc, vc, tables, lens, window), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("d", [64, 40])
+def test_bfloat16_cache_kernel_reads_the_stored_values(d):
+    """A bfloat16 cache is read in place, widened exactly: the answer is the reference's over the
+    cache's own (rounded) values, on the vector path and the plain loop."""
+    g = torch.Generator().manual_seed(1)
+    blocks, bs = 40, 16
+    k_cache = torch.randn(blocks, 2, bs, d, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(blocks, 2, bs, d, generator=g).to(torch.bfloat16)
+    lens = torch.tensor([1, 17, 90, 200], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:13] for _ in lens])
+    q = torch.randn(len(lens), 4, d, generator=g)
+    expected = naive(q, k_cache.double(), v_cache.double(), tables, lens, None)
+    kernel = native_decode(torch.bfloat16)
+    assert kernel is not None
+    assert torch.allclose(kernel(q, k_cache, v_cache, tables, lens, None), expected, atol=1e-5)

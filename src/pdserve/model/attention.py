@@ -78,8 +78,8 @@ def paged_attention(
     if meta.decode_block_tables is not None:
         rows = slice(meta.decode_start, q.shape[0])
         native = None
-        if q.dtype == k_cache.dtype == torch.float32 and q.device.type == "cpu":
-            native = native_decode()
+        if q.dtype == torch.float32 and k_cache.dtype in _NATIVE_KV and q.device.type == "cpu":
+            native = native_decode(k_cache.dtype)
         if native is not None:
             out[rows] = native(q[rows], k_cache, v_cache, meta.decode_block_tables,
                                meta.decode_context_lens, meta.sliding_window)
@@ -91,12 +91,15 @@ def paged_attention(
     return out
 
 
-class NativeDecode:
-    """The C kernel (kernels/paged_attention.c): reads K and V in place, one (sequence, KV head)
-    per work item, on this rank's torch threads."""
+_NATIVE_KV = {torch.float32: "paged_decode_attention", torch.bfloat16: "paged_decode_attention_bf16"}
 
-    def __init__(self, lib):
-        fn = lib.paged_decode_attention
+
+class NativeDecode:
+    """The C kernel (kernels/paged_attention.c): reads K and V in place, as stored (float32 or
+    bfloat16), one (sequence, KV head) per work item, on this rank's torch threads."""
+
+    def __init__(self, lib, name: str = "paged_decode_attention"):
+        fn = getattr(lib, name)
         p, i = ctypes.c_void_p, ctypes.c_int
         fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i]
         fn.restype = None
@@ -113,10 +116,10 @@ class NativeDecode:
         return out
 
 
-@functools.lru_cache(maxsize=1)
-def native_decode() -> NativeDecode | None:
+@functools.lru_cache(maxsize=None)
+def native_decode(kv_dtype: torch.dtype = torch.float32) -> NativeDecode | None:
     lib = kernels.load("paged_attention")
-    return NativeDecode(lib) if lib is not None else None
+    return NativeDecode(lib, _NATIVE_KV[kv_dtype]) if lib is not None else None
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
