@@ -86,3 +86,9 @@ def test_a_streamed_answer_gets_them_in_each_choices_first_event():
     assert bodies[0]["choices"][0]["prompt_logprobs"][2] == {"6": {"logprob": -2.0}}
     assert "prompt_logprobs" not in bodies[1]["choices"][0]
     assert out[-1].startswith(b"data: [DONE]")
+
+
+def test_a_malformed_n_counts_as_one_and_is_left_to_the_instance_to_refuse():
+    from pdserve.proxy.fanout import num_samples
+    assert [num_samples({"n": v}) for v in (3, None, "0", "2", 0, -1, True, 2.0, [2])] == [3, 1, 1, 1, 1, 1, 1, 1, 1]
+    assert num_samples({}) == 1

@@ -26,6 +26,13 @@ def split_prompts(body: dict, path: str) -> list[dict] | None:
     return None
 
 
+def num_samples(body: dict) -> int:
+    """The request's `n` when it is a whole number of at least 1; anything else counts as 1 here (the
+    instance refuses it with a 400 naming the field)."""
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+
+
 def wants_scores(body: dict) -> bool:
     """The answer carries the prompt's logprobs (which a P/D consumer does not have)."""
     return body.get("prompt_logprobs") is not None or (bool(body.get("echo")) and body.get("logprobs") is not None)

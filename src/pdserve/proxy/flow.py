@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.http.errors import APIError
 from pdserve.proxy.decision import LOCAL, REMOTE, DisaggPolicy, prompt_tokens
-from pdserve.proxy.fanout import PromptScores, discard, merge, respond, split_prompts, wants_scores
+from pdserve.proxy.fanout import PromptScores, discard, merge, num_samples, respond, split_prompts, wants_scores
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.placement import Placement, place
 from pdserve.proxy.prompts import PromptTokens
@@ -113,7 +113,7 @@ class PDFlow:
         if errors:
             discard([a for a in answers if isinstance(a, Response)])
             raise errors[0]
-        return await merge(answers, body.get("n") or 1, body, {"X-Request-Id": request_id})
+        return await merge(answers, num_samples(body), body, {"X-Request-Id": request_id})
 
     async def _handle_one(self, body: dict, path: str, request_id: str) -> Response:
         start = time.monotonic()
@@ -121,7 +121,7 @@ class PDFlow:
         protocol = await self.upstream_protocol()
         ids = self.prompts.ids(body, path) if self.prompts is not None else None
         plan = place(self.router, ids, body.get("cache_salt"))
-        n = body.get("n") or 1
+        n = num_samples(body)
         if _max_tokens(body) == 0 or (protocol == "pdserve" and _max_tokens(body) == 1):  # nothing to decode
             self.metrics.requests.labels("prefill_only").inc()
             if self.router.prefill.states:
