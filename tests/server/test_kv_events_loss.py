@@ -72,8 +72,10 @@ def _evicted(info, prompts, held: set[int]) -> bool:
 
 
 def test_a_live_subscriber_losing_1_percent_is_exact_within_1_s(server, info):
-    """Seed 6 drops the 5th and the 126th batch received."""
-    follower = _follower(server, info, seed=6)
+    """Seed 39 drops the 14th, 25th and 55th batch received. The run publishes ~200 batches, one
+    a request, but fewer on a busy machine, where the publisher thread seals several steps' events
+    into one batch (CI once saw fewer than 126), so the drops it counts on come early."""
+    follower = _follower(server, info, seed=39)
     prompts = _prompts(1)
     try:
         sender = threading.Thread(target=_send, args=(server, prompts))
@@ -91,7 +93,7 @@ def test_a_live_subscriber_losing_1_percent_is_exact_within_1_s(server, info):
     finally:
         follower.subscriber.close()
     sub = follower.subscriber
-    assert sub.num_dropped >= 2 and sub.num_received > 150  # 1 % of the messages, lost
+    assert sub.num_dropped >= 3 and sub.num_received >= 55  # ~1 % of the messages, lost
     assert follower.num_gaps >= 1 and follower.num_replayed >= sub.num_dropped  # replay filled them
     assert _evicted(info, prompts, held) and held  # the run evicted blocks
     assert took_s < 1.0
