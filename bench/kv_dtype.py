@@ -3,9 +3,9 @@ READ of that context moves, per `--kv-cache-dtype`, on the generated `small` mod
 
     .venv/bin/python bench/kv_dtype.py [--model DIR] [--threads 1] [--out bench/results/kv_dtype.json]
 
-Decode: batch 1 and 8, 2,048-token prompts, 32 new tokens, prefill excluded, best of two runs per
+Decode: batch 1, 8 and 32, 2,048-token prompts, 32 new tokens, prefill excluded, best of two runs per
 dtype, alternating. Bytes: a 2,048-token READ as the connector posts it (every region of the prompt's
-blocks, fp8's scale regions included; tests/kv_transfer/test_kv_dtypes.py and tests/pd/test_kv_dtype.py
+blocks, fp8's scale regions included; tests/kv_transfer/test_kv_dtypes.py and tests/pd/test_pd_kv_dtype.py
 check the same count through the loopback fabric and NIXL).
 """
 
@@ -30,7 +30,7 @@ from pdserve.model.spec import ModelSpec  # noqa: E402
 from pdserve.worker.kv_cache import CacheLayout  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "fp8_e4m3")
-CONTEXT, NEW_TOKENS, BATCHES, BLOCK = 2048, 32, (1, 8), 16
+CONTEXT, NEW_TOKENS, BATCHES, BLOCK = 2048, 32, (1, 8, 32), 16
 
 
 def read_bytes(spec: ModelSpec, name: str, tokens: int = CONTEXT) -> int:

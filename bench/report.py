@@ -76,6 +76,23 @@ def formats(f) -> list[str]:
     return out
 
 
+def kv_dtype(r) -> list[str]:
+    batches = list(r["dtypes"]["float32"]["decode"])
+    base = r["dtypes"]["float32"]
+    out = [f"**KV cache dtype** (`bench/kv_dtype.py`, `small`, {r['threads']} thread, a {r['context']:,}-token "
+           f"context, {r['new_tokens']} new tokens; READ: the bytes one P/D READ of that context moves):", "",
+           "| kv dtype | READ MiB (× float32) | " + " | ".join(f"batch {b} step ms (speed-up)" for b in batches) + " |",
+           "|---" * (len(batches) + 2) + "|"]
+    for name, d in r["dtypes"].items():
+        cells = [f"{d['decode'][b]['step_ms']} ({base['decode'][b]['step_ms'] / d['decode'][b]['step_ms']:.2f}×)"
+                 for b in batches]
+        out.append(f"| {name} | {d['read_bytes'] / 2**20:.1f} ({d['read_bytes'] / base['read_bytes']:.3f}×) | "
+                   + " | ".join(cells) + " |")
+    return out + ["", "The C decode kernel reads float32 and bfloat16 caches in place; fp8_e4m3 decodes through "
+                  "PyTorch, dequantizing every block it reads. bfloat16's gain grows with the KV's share of the "
+                  "bytes a step reads (the weights stay float32 here)."]
+
+
 def transfer(rows) -> list[str]:
     lanes = rows[0].get("copy_lanes", 1) if rows else 1
     out = [f"**KV transfer** through the connector (`small`: 16 KiB of KV per token; {lanes} copy lane(s) "
@@ -183,7 +200,7 @@ def main() -> int:
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     lines = []
-    for name, render in (("engine", engine), ("transfer", transfer), ("serving", serving), ("sweep", sweep),
+    for name, render in (("engine", engine), ("kv_dtype", kv_dtype), ("transfer", transfer), ("serving", serving), ("sweep", sweep),
                          ("proxy_overhead", proxy_overhead), ("soak", soak), ("signing", signing)):
         data = load(name)
         if data is not None:

@@ -23,7 +23,7 @@
 
 #define MAX_CHUNKS 16 /* head_dim up to 256 on the fast path */
 #define GB 4 /* query heads sharing each load of a K or V row */
-#define PREFETCH_BLOCKS 2 /* blocks ahead a cursor prefetches (scattered: the hardware cannot guess them) */
+#define PREFETCH_ROWS 16 /* rows ahead a cursor prefetches */
 
 /* The four levels of a 16 x 16 transpose-and-add: each pairs two vectors and halves the number of
  * partial sums per token, keeping tokens in order. */
