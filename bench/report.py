@@ -213,6 +213,14 @@ def main() -> int:
                      f"{vllm['identical_outputs']}/{vllm['outputs']}; decode {vllm['pdserve_decode_tok_s']} "
                      f"tok/s (pdserve) vs {vllm['vllm_decode_tok_s']} tok/s (vLLM).")
         lines.append("")
+    lm, lm_none = load("lm_eval_compare"), load("lm_eval_compare_none")
+    if lm and lm_none:
+        lines += [f"**lm-eval** (`bench/lm_eval_compare.py`, lm-eval {lm['lm_eval']}, {lm_none['model']}, "
+                  f"{lm['num_choices']} loglikelihoods): 1P1D through the proxy vs one instance, max difference "
+                  f"{max(lm['pd_vs_single_per_item']):.1e}; vs transformers on the same file "
+                  f"{max(lm_none['pd_vs_transformers_per_item']):.1e} nat with `--quantization none` (target "
+                  f"{lm_none['target_max_abs_diff']:.0e}) and {max(lm['pd_vs_transformers_per_item']):.2f} with the "
+                  "file's int4 weights and int8 activations (transformers dequantizes to float32).", ""]
     vs = load("vllm_serving")
     if vs:
         prompts = vs["workload"][vs["workload"].index("--num-prompts") + 1]
