@@ -64,3 +64,29 @@ def test_bfloat16_cache_kernel_reads_the_stored_values(d):
     kernel = native_decode(torch.bfloat16)
     assert kernel is not None
     assert torch.allclose(kernel(q, k_cache, v_cache, tables, lens, None), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("d", [64, 128, 40])
+def test_fp8_cache_kernel_reads_codes_times_scales(d, window):
+    """An fp8 cache is read in place: each row's codes (subnormals and both signs included) times
+    its slot's scale, exactly the values kv_dtype.dequantize gives, on the vector paths and the
+    plain loop."""
+    from pdserve.model.kv_dtype import dequantize, quantize
+
+    g = torch.Generator().manual_seed(2)
+    blocks, bs, kv_heads = 40, 16, 2
+    raw_k = torch.randn(blocks, kv_heads, bs, d, generator=g) * torch.rand(blocks, kv_heads, bs, 1, generator=g) * 5
+    raw_v = torch.randn(blocks, kv_heads, bs, d, generator=g)
+    raw_k[..., :3] = torch.tensor([1e-6, -1e-6, 0.0])  # below e4m3's normal range at the row's scale
+    (k_cache, k_scale), (v_cache, v_scale) = quantize(raw_k), quantize(raw_v)
+    assert (k_cache.view(torch.uint8) & 0x78 == 0).logical_and(k_cache.view(torch.uint8) & 7 != 0).any()
+    lens = torch.tensor([1, 17, 90, 200], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:13] for _ in lens])
+    q = torch.randn(len(lens), 4, d, generator=g)
+    expected = naive(q, dequantize(k_cache, k_scale, torch.float64), dequantize(v_cache, v_scale, torch.float64),
+                     tables, lens, window)
+    kernel = native_decode(torch.float8_e4m3fn)
+    assert kernel is not None
+    got = kernel(q, k_cache, v_cache, tables, lens, window, (k_scale, v_scale))
+    assert torch.allclose(got, expected, atol=1e-5)

@@ -82,7 +82,7 @@ def paged_attention(
             native = native_decode(k_cache.dtype)
         if native is not None:
             out[rows] = native(q[rows], k_cache, v_cache, meta.decode_block_tables,
-                               meta.decode_context_lens, meta.sliding_window)
+                               meta.decode_context_lens, meta.sliding_window, scales)
         else:
             tables = meta.decode_block_tables
             mask = build_mask(meta.decode_context_lens.long() - 1, tables.shape[1] * k_cache.shape[2],
@@ -91,26 +91,36 @@ def paged_attention(
     return out
 
 
-_NATIVE_KV = {torch.float32: "paged_decode_attention", torch.bfloat16: "paged_decode_attention_bf16"}
+_NATIVE_KV = {torch.float32: "paged_decode_attention", torch.bfloat16: "paged_decode_attention_bf16",
+              torch.float8_e4m3fn: "paged_decode_attention_fp8"}
+_SCALED_KV = (torch.float8_e4m3fn,)  # the kernel takes the per-slot scales too
 
 
 class NativeDecode:
-    """The C kernel (kernels/paged_attention.c): reads K and V in place, as stored (float32 or
-    bfloat16), one (sequence, KV head) per work item, on this rank's torch threads."""
+    """The C kernel (kernels/paged_attention.c): reads K and V in place, as stored (float32,
+    bfloat16, or fp8 with its per-slot scales), one (sequence, KV head) per work item, on this
+    rank's torch threads."""
 
-    def __init__(self, lib, name: str = "paged_decode_attention"):
+    def __init__(self, lib, name: str = "paged_decode_attention", scaled: bool = False):
         fn = getattr(lib, name)
         p, i = ctypes.c_void_p, ctypes.c_int
-        fn.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i]
+        fn.argtypes = [p, p, p, *([p, p] if scaled else []), p, p, p, i, i, i, i, i, i, i, ctypes.c_float, i]
         fn.restype = None
         self.fn = fn
+        self.scaled = scaled
 
-    def __call__(self, q, k_cache, v_cache, tables, context_lens, window) -> torch.Tensor:
+    def __call__(self, q, k_cache, v_cache, tables, context_lens, window,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         q = q.contiguous()
         seqs, num_heads, head_dim = q.shape
         _, kv_heads, block_size, _ = k_cache.shape
         out = torch.empty_like(q)
-        self.fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        scale_ptrs = []
+        if self.scaled:
+            if scales is None or not all(s.is_contiguous() and s.dtype == torch.float32 for s in scales):
+                raise ValueError("an fp8 cache is read with its contiguous float32 scales")
+            scale_ptrs = [scales[0].data_ptr(), scales[1].data_ptr()]
+        self.fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *scale_ptrs, tables.data_ptr(),
                 context_lens.data_ptr(), out.data_ptr(), seqs, num_heads, kv_heads, head_dim,
                 block_size, tables.shape[1], window or 0, head_dim ** -0.5, torch.get_num_threads())
         return out
@@ -119,7 +129,9 @@ class NativeDecode:
 @functools.lru_cache(maxsize=None)
 def native_decode(kv_dtype: torch.dtype = torch.float32) -> NativeDecode | None:
     lib = kernels.load("paged_attention")
-    return NativeDecode(lib, _NATIVE_KV[kv_dtype]) if lib is not None else None
+    if lib is None or not hasattr(lib, _NATIVE_KV[kv_dtype]):  # fp8 needs a compiler with _Float16
+        return None
+    return NativeDecode(lib, _NATIVE_KV[kv_dtype], kv_dtype in _SCALED_KV)
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -3,8 +3,10 @@
  * One query token per sequence. Work item i = (sequence b, KV head h), spread over `nthreads`
  * OpenMP threads. Loaded into a process that has already loaded PyTorch, libgomp.so.1 resolves to
  * torch's own copy, so these are torch's intra-op threads (no second pool spinning against the
- * first). q and out float32; K and V float32 (`paged_decode_attention`) or bfloat16
- * (`paged_decode_attention_bf16`, widened to float32 as they are loaded: half the bytes to stream).
+ * first). q and out float32; K and V float32 (`paged_decode_attention`), bfloat16
+ * (`paged_decode_attention_bf16`) or fp8 e4m3 with one float32 scale per slot
+ * (`paged_decode_attention_fp8`, where the compiler has _Float16), widened to float32 as they are
+ * loaded: a half or a quarter of the bytes to stream.
  * Layout: q, out [B, Hq, D]; k_cache, v_cache [N, H, bs, D] (HND); tables [B, max_blocks].
  *
  * The fast path (head_dim a multiple of 16, at most 256) uses GCC/clang vector types, so it is
@@ -83,3 +85,43 @@ static inline float bf16_float(uint16_t x) {
 #define NAME(x) x##_bf16
 #define ENTRY paged_decode_attention_bf16
 #include "paged_attention_kv.h"
+#undef KV_T
+#undef LOAD_KV
+#undef KV_FLOAT
+#undef NAME
+#undef ENTRY
+
+#ifdef __FLT16_MAX__ /* the compiler has _Float16 */
+/* fp8 e4m3 (bias 7) is the top of a float16 (bias 15) shifted right by 7: sign to bit 15, exponent
+ * and mantissa to bits 7..13. The float16 converts exactly to float32 in hardware, subnormals
+ * included, at 2^-8 of the code's value; ROW_UNIT (2^8) folds the difference into each row's
+ * scale. Codes are never NaN (writes saturate at +-448). */
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef _Float16 h16x16 __attribute__((vector_size(32)));
+
+static inline v16 load_fp8(const uint8_t *p) {
+    u8x16 b;
+    memcpy(&b, p, sizeof b);
+    const u16x16 w = __builtin_convertvector(b, u16x16);
+    const u16x16 bits = ((w & 0x7F) << 7) | ((w & 0x80) << 8);
+    h16x16 h;
+    memcpy(&h, &bits, sizeof h);
+    return __builtin_convertvector(h, v16);
+}
+
+static inline float fp8_float(uint8_t x) {
+    const uint16_t bits = (uint16_t)(((x & 0x7F) << 7) | ((x & 0x80) << 8));
+    _Float16 h;
+    memcpy(&h, &bits, sizeof h);
+    return (float)h;
+}
+
+#define KV_SCALED
+#define ROW_UNIT 256.0f
+#define KV_T uint8_t
+#define LOAD_KV(p) load_fp8(p)
+#define KV_FLOAT(x) fp8_float(x)
+#define NAME(x) x##_fp8
+#define ENTRY paged_decode_attention_fp8
+#include "paged_attention_kv.h"
+#endif

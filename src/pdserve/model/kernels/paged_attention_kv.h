@@ -1,7 +1,9 @@
 /* The body of kernels/paged_attention.c for one stored KV element type, included once per type
  * with KV_T (the element), LOAD_KV (16 elements -> v16), KV_FLOAT (one element -> float),
- * NAME(x) (a per-type name) and ENTRY (the exported function) defined. q, scores and out stay
- * float32; only K and V are read as stored. */
+ * NAME(x) (a per-type name) and ENTRY (the exported function) defined, and KV_SCALED for a type
+ * stored with one float32 scale per (block, head, slot) (fp8: [N, H, bs] beside the blocks; a
+ * row's value is LOAD_KV times ROW_UNIT times its scale). q, scores and out stay float32; only K
+ * and V are read as stored. */
 
 /* Walks one sequence's rows for one KV head, block by block, with a second cursor prefetching rows
  * ahead. On one thread, batch 8 at a 2,048-token context (small model: 4 KV heads, so a head's rows
@@ -9,6 +11,7 @@
  * per block and takes 2.1 ms this way; bfloat16 1.9 -> 1.5 ms. */
 typedef struct {
     const KV_T *cache, *row, *ahead;
+    const float *scales, *srow; /* KV_SCALED: the scales, and the current row's */
     const int64_t *table;
     size_t block_stride, head_offset;
     int block, last_block, offset, bs, D;
@@ -32,11 +35,14 @@ static inline void NAME(cursor_ahead)(NAME(cursor) *c) {
  * prefetches each row PREFETCH_ROWS rows before it is read: blocks are scattered (and a KV head's
  * rows are a fraction of each block), so the hardware prefetcher keeps losing the stream, and a
  * burst of prefetches per block overflows the core's outstanding misses. */
-static inline NAME(cursor) NAME(cursor_at)(const KV_T *cache, const int64_t *table, int first, int last, int H,
-                               int h, int bs, int D) {
-    NAME(cursor) c = {cache, NULL, NULL, table, (size_t)H * bs * D, (size_t)h * bs * D,
+static inline NAME(cursor) NAME(cursor_at)(const KV_T *cache, const float *scales, const int64_t *table,
+                                           int first, int last, int H, int h, int bs, int D) {
+    NAME(cursor) c = {cache, NULL, NULL, scales, NULL, table, (size_t)H * bs * D, (size_t)h * bs * D,
                 first / bs, last / bs, first % bs, bs, D, first / bs, first % bs, last - first};
     c.row = cache + table[c.block] * c.block_stride + c.head_offset + (size_t)c.offset * D;
+#ifdef KV_SCALED
+    c.srow = scales + ((size_t)table[c.block] * H + h) * bs + c.offset;
+#endif
     c.ahead = c.row;
     for (int i = 0; i < PREFETCH_ROWS && c.ahead_left > 0; i++) NAME(cursor_ahead)(&c);
     return c;
@@ -44,18 +50,30 @@ static inline NAME(cursor) NAME(cursor_at)(const KV_T *cache, const int64_t *tab
 
 static inline void NAME(cursor_next)(NAME(cursor) *c) {
     c->row += c->D;
+#ifdef KV_SCALED
+    c->srow++;
+#endif
     if (++c->offset == c->bs && c->block < c->last_block) {
         c->offset = 0;
         c->row = c->cache + c->table[++c->block] * c->block_stride + c->head_offset;
+#ifdef KV_SCALED
+        c->srow = c->scales + (c->row - c->cache) / c->D;
+#endif
     }
     if (c->ahead_left > 0) NAME(cursor_ahead)(c);
 }
 
+#ifdef KV_SCALED
+#define NAME_ROW_SCALE(c) (*(c).srow * ROW_UNIT)
+#else
+#define NAME_ROW_SCALE(c) 1.0f
+#endif
+
 /* One (sequence, KV head): G query heads at q, written to out. `scores` holds G * (n + 16) floats. */
 static inline __attribute__((always_inline)) void
-NAME(attend_vec)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const int64_t *table,
-           int first, int ctx, float *out, int G, int H, int h, const int D, int bs, float scale,
-           float *scores) {
+NAME(attend_vec)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const float *k_scales,
+                 const float *v_scales, const int64_t *table, int first, int ctx, float *out, int G, int H,
+                 int h, const int D, int bs, float scale, float *scores) {
     const int chunks = D / 16, n = ctx - first, groups = (n + 15) / 16, stride = groups * 16;
     /* Query heads in batches of GB: each K and V row is loaded (and widened) once per batch. */
     for (int g0 = 0; g0 < G; g0 += GB) {
@@ -65,20 +83,26 @@ NAME(attend_vec)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const
         v16 qv[GB][MAX_CHUNKS];
         for (int g = 0; g < gn; g++)
             for (int c = 0; c < chunks; c++) qv[g][c] = loadv(qg + (size_t)g * D + 16 * c) * scale;
-        NAME(cursor) k = NAME(cursor_at)(k_cache, table, first, ctx - 1, H, h, bs, D);
+        NAME(cursor) k = NAME(cursor_at)(k_cache, k_scales, table, first, ctx - 1, H, h, bs, D);
         for (int grp = 0; grp < groups; grp++) {
             const int valid = n - 16 * grp < 16 ? n - 16 * grp : 16;
             v16 part[GB][16];
             for (int i = 0; i < 16; i++) {
                 v16 kr[MAX_CHUNKS];
+                float ks = 1.0f;
                 if (i < valid) {
                     for (int c = 0; c < chunks; c++) kr[c] = LOAD_KV(k.row + 16 * c);
+                    ks = NAME_ROW_SCALE(k);
                     NAME(cursor_next)(&k);
                 }
+                (void)ks;
                 for (int g = 0; g < gn; g++) {
                     v16 acc = {0};
                     if (i < valid)
                         for (int c = 0; c < chunks; c++) acc += qv[g][c] * kr[c];
+#ifdef KV_SCALED
+                    acc *= ks;
+#endif
                     part[g][i] = acc;
                 }
             }
@@ -106,16 +130,22 @@ NAME(attend_vec)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const
             }
             inv[g] = 1.0f / hsum(sums);
         }
-        NAME(cursor) v = NAME(cursor_at)(v_cache, table, first, ctx - 1, H, h, bs, D);
+        NAME(cursor) v = NAME(cursor_at)(v_cache, v_scales, table, first, ctx - 1, H, h, bs, D);
         v16 acc[GB][MAX_CHUNKS];
         for (int g = 0; g < gn; g++)
             for (int c = 0; c < chunks; c++) acc[g][c] = (v16){0};
         for (int i = 0; i < n; i++) {
             v16 vr[MAX_CHUNKS];
             for (int c = 0; c < chunks; c++) vr[c] = LOAD_KV(v.row + 16 * c);
+            const float vs = NAME_ROW_SCALE(v);
+            (void)vs;
             NAME(cursor_next)(&v);
             for (int g = 0; g < gn; g++) {
+#ifdef KV_SCALED
+                const float p = sg[(size_t)g * stride + i] * vs;
+#else
                 const float p = sg[(size_t)g * stride + i];
+#endif
                 for (int c = 0; c < chunks; c++) acc[g][c] += p * vr[c];
             }
         }
@@ -126,15 +156,23 @@ NAME(attend_vec)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const
 
 /* Any head size: plain loops. */
 static void NAME(attend_plain)(const float *q, const KV_T *k_cache, const KV_T *v_cache,
-                         const int64_t *table, int first, int ctx, float *out, int G, int H, int h,
-                         int D, int bs, float scale, float *scores) {
+                               const float *k_scales, const float *v_scales, const int64_t *table,
+                               int first, int ctx, float *out, int G, int H, int h, int D, int bs,
+                               float scale, float *scores) {
     const int n = ctx - first;
+    (void)k_scales, (void)v_scales;
     for (int t = first; t < ctx; t++) {
-        const KV_T *k = k_cache + (((size_t)table[t / bs] * H + h) * bs + t % bs) * D;
+        const size_t slot = ((size_t)table[t / bs] * H + h) * bs + t % bs;
+        const KV_T *k = k_cache + slot * D;
+#ifdef KV_SCALED
+        const float ks = k_scales[slot] * ROW_UNIT;
+#else
+        const float ks = 1.0f;
+#endif
         for (int g = 0; g < G; g++) {
             float dot = 0.0f;
             for (int d = 0; d < D; d++) dot += q[(size_t)g * D + d] * KV_FLOAT(k[d]);
-            scores[(size_t)g * n + (t - first)] = dot * scale;
+            scores[(size_t)g * n + (t - first)] = dot * ks * scale;
         }
     }
     for (int g = 0; g < G; g++) {
@@ -146,19 +184,31 @@ static void NAME(attend_plain)(const float *q, const KV_T *k_cache, const KV_T *
     }
     memset(out, 0, sizeof(float) * (size_t)G * D);
     for (int t = first; t < ctx; t++) {
-        const KV_T *v = v_cache + (((size_t)table[t / bs] * H + h) * bs + t % bs) * D;
+        const size_t slot = ((size_t)table[t / bs] * H + h) * bs + t % bs;
+        const KV_T *v = v_cache + slot * D;
+#ifdef KV_SCALED
+        const float vs = v_scales[slot] * ROW_UNIT;
+#else
+        const float vs = 1.0f;
+#endif
         for (int g = 0; g < G; g++) {
-            const float p = scores[(size_t)g * n + (t - first)];
+            const float p = scores[(size_t)g * n + (t - first)] * vs;
             for (int d = 0; d < D; d++) out[(size_t)g * D + d] += p * KV_FLOAT(v[d]);
         }
     }
 }
 
 void ENTRY(const float *q, const KV_T *k_cache, const KV_T *v_cache,
+#ifdef KV_SCALED
+           const float *k_scales, const float *v_scales,
+#endif
                             const int64_t *tables, const int32_t *ctx_lens, float *out,
                             int B, int Hq, int H, int D, int bs, int max_blocks, int window,
                             float scale, int nthreads) {
     const int G = Hq / H;
+#ifndef KV_SCALED
+    const float *k_scales = NULL, *v_scales = NULL;
+#endif
 #pragma omp parallel num_threads(nthreads)
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)G * ((size_t)max_blocks * bs + 16));
@@ -171,14 +221,16 @@ void ENTRY(const float *q, const KV_T *k_cache, const KV_T *v_cache,
             float *ob = out + ((size_t)b * Hq + (size_t)h * G) * D;
             const int64_t *table = tables + (size_t)b * max_blocks;
             if (D == 64)
-                NAME(attend_vec)(qb, k_cache, v_cache, table, first, ctx, ob, G, H, h, 64, bs, scale, scores);
+                NAME(attend_vec)(qb, k_cache, v_cache, k_scales, v_scales, table, first, ctx, ob, G, H, h, 64, bs, scale, scores);
             else if (D == 128)
-                NAME(attend_vec)(qb, k_cache, v_cache, table, first, ctx, ob, G, H, h, 128, bs, scale, scores);
+                NAME(attend_vec)(qb, k_cache, v_cache, k_scales, v_scales, table, first, ctx, ob, G, H, h, 128, bs, scale, scores);
             else if (D % 16 == 0 && D <= 16 * MAX_CHUNKS)
-                NAME(attend_vec)(qb, k_cache, v_cache, table, first, ctx, ob, G, H, h, D, bs, scale, scores);
+                NAME(attend_vec)(qb, k_cache, v_cache, k_scales, v_scales, table, first, ctx, ob, G, H, h, D, bs, scale, scores);
             else
-                NAME(attend_plain)(qb, k_cache, v_cache, table, first, ctx, ob, G, H, h, D, bs, scale, scores);
+                NAME(attend_plain)(qb, k_cache, v_cache, k_scales, v_scales, table, first, ctx, ob, G, H, h, D, bs, scale, scores);
         }
         free(scores);
     }
 }
+
+#undef NAME_ROW_SCALE
