@@ -22,16 +22,17 @@ def client_venv(requirement: str, probe: str, see_our_packages: bool = False, ti
     name = requirement.split("[")[0].split("==")[0] + "-" + requirement.split("==")[-1]
     venv = CLIENTS / name
     python = venv / "bin" / "python"
-    if python.exists() and subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0:
-        return venv
+    if python.exists():
+        if see_our_packages:  # this venv's, not the one that made it (a clone since deleted)
+            _see_our_packages(python)
+        if subprocess.run([str(python), "-c", probe], capture_output=True).returncode == 0:
+            return venv
     try:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True, timeout=120)
         pip = [str(venv / "bin" / "pip"), "install", "-q"]
         if see_our_packages:
             import torch
-            site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
-                                  capture_output=True, text=True).stdout.strip()
-            (Path(site) / "pdserve-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+            _see_our_packages(python)
             constraints = venv / "constraints.txt"
             constraints.write_text(f"torch=={torch.__version__}\n")
             pip += ["-c", str(constraints)]
@@ -41,3 +42,9 @@ def client_venv(requirement: str, probe: str, see_our_packages: bool = False, ti
         out = getattr(e, "stderr", b"") or b""
         pytest.skip(f"pip could not install {requirement}: {e} {out.decode(errors='replace')[-500:]}")
     return venv
+
+
+def _see_our_packages(python: Path) -> None:
+    site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                          capture_output=True, text=True, timeout=60).stdout.strip()
+    (Path(site) / "pdserve-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
