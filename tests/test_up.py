@@ -106,3 +106,10 @@ def test_instance_args_reach_every_serve(tiny_model):
     serve = parser.parse_args(["serve", tiny_model, *shlex.split(up.instance_args)])
     assert serve.trust_request_chat_template
     assert not parser.parse_args(["serve", tiny_model]).trust_request_chat_template
+
+
+def test_the_proxy_renders_chats_with_the_instances_chat_template():
+    from pdserve.launcher import chat_template_args
+    assert chat_template_args(["--num-blocks", "64", "--chat-template", "t.jinja"]) == ["--chat-template", "t.jinja"]
+    assert chat_template_args(["--chat-template={{ x }}"]) == ["--chat-template", "{{ x }}"]
+    assert chat_template_args(["--num-blocks", "64"]) == []

@@ -191,7 +191,7 @@ def _proxy(args) -> int:
         max_request_body_bytes=args.max_request_body_bytes, probe_interval_s=args.probe_interval_s,
         max_wait_s=args.max_wait_s, local_prefill_max_tokens=args.local_prefill_max_tokens,
         request_timeout_s=args.request_timeout_s, routing=args.routing,
-        tokenizer=ensure_model(args.tokenizer) if args.tokenizer else None,
+        tokenizer=ensure_model(args.tokenizer) if args.tokenizer else None, chat_template=args.chat_template,
         local_prefill_max_queue=args.local_prefill_max_queue, admin_key=os.environ.get("PDSERVE_ADMIN_KEY"))
     run_proxy(config, args.log_level.upper())
     return 0
@@ -319,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, metavar="MODEL",
                    help="the served checkpoint (directory or .gguf): prompts are tokenized as the instances "
                         "do, to route by the blocks they fill (pdserve up passes it)")
+    p.add_argument("--chat-template", default=None,
+                   help="the instances' --chat-template, where they were given one (pdserve up passes it)")
     p.add_argument("--upstream-protocol", default="auto", choices=["auto", "pdserve", "vllm"],
                    help="what the instances are: vllm producers get max_tokens 1 (auto: ask them)")
     p.set_defaults(func=_proxy)

@@ -260,6 +260,7 @@ class ProxyConfig:
     admin_key: str | None = None  # enables PUT /admin/upstreams (a cluster registers its instances)
     routing: str = "kv-aware"  # round-robin, least-loaded or kv-aware (proxy/policy.py)
     tokenizer: str | None = None  # the model's checkpoint: prompts are tokenized to route by their blocks
+    chat_template: str | None = None  # the instances' --chat-template, rendered as they render it
 
     def __post_init__(self):
         _check(self.routing in ("round-robin", "least-loaded", "kv-aware"), "routing",

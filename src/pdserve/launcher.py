@@ -123,6 +123,17 @@ def split_cores(cores: list[int], num_instances: int) -> list[tuple[int, ...]]:
     return [(cores[i % len(cores)],) for i in range(num_instances)]
 
 
+def chat_template_args(instance_args: list[str]) -> list[str]:
+    """`--chat-template X` as the instances were given it (either spelling), for the proxy: it
+    renders chats as they do to route by the blocks the prompts fill."""
+    for i, arg in enumerate(instance_args):
+        if arg == "--chat-template" and i + 1 < len(instance_args):
+            return [arg, instance_args[i + 1]]
+        if arg.startswith("--chat-template="):
+            return ["--chat-template", arg.split("=", 1)[1]]
+    return []
+
+
 def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
 
@@ -161,7 +172,8 @@ class Deployment:
                 self.instances.append(Instance(role, args, cpu))
         self.proxy_port = proxy_port
         self.proxy_host = proxy_host
-        self.proxy_args = ["--tokenizer", model, *(proxy_args or [])]  # routes by the blocks prompts fill
+        # routes by the blocks prompts fill, rendering chats with the instances' template
+        self.proxy_args = ["--tokenizer", model, *chat_template_args(extra), *(proxy_args or [])]
         self.proxy: Instance | None = None
 
     @property

@@ -85,6 +85,19 @@ def test_chat_and_models_through_the_proxy(xpyd):
         full.choices[0].message.content
 
 
+def test_the_proxy_tokenizes_chats_to_the_producers_count(xpyd):
+    """Prefilled remotely, a chat's prompt is counted by the producer; the proxy's own ids (what it
+    routes by) have that length, so no mismatch is counted."""
+    messages = [{"role": "system", "content": "You answer in one word."},
+                {"role": "user", "content": " ".join(f"word{i} ünïcödé  tab\there" for i in range(60))}]
+    with httpx.Client(timeout=60) as h:
+        r = h.post(xpyd.proxy.url + "/v1/chat/completions",
+                   json={"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.headers["X-PD-Decision"] == "remote"
+        assert r.json()["usage"]["prompt_tokens"] > 200
+    assert metric(xpyd.proxy, "pdserve_proxy:prompt_token_mismatches_total") == 0
+
+
 def test_proxy_errors_and_metrics(xpyd):
     code, body = post_json(xpyd.proxy.url + "/v1/completions", {"prompt": "x", "max_tokens": -3})
     assert code == 400 and body["error"]["param"] == "max_tokens"  # the producer's answer, passed on

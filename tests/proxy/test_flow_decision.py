@@ -105,3 +105,43 @@ def test_running_streams_are_not_a_queue_but_pending_local_prefills_are():
 async def _drain(it) -> None:
     async for _ in it:
         pass
+
+
+def test_a_prompt_the_producer_counts_otherwise_is_counted_and_said_once(tiny_model, caplog):
+    """The producer's usage.prompt_tokens is the truth the proxy's ids should equal; another count
+    means the proxy renders or tokenizes otherwise, and routing by blocks would miss."""
+    from pdserve.proxy.prompts import PromptTokens
+
+    class Counting(FakeInstance):
+        def __init__(self, url: str):
+            super().__init__(url)
+            self.extra = 0  # tokens the producer counts beyond the prompt's ids
+
+        async def post_json(self, path, body, headers):
+            self.bodies.append(body)
+            counted = len(body["prompt"]) + self.extra
+            return Reply(200, json.dumps({"choices": [{"text": "a", "finish_reason": "stop"}],
+                                          "usage": {"prompt_tokens": counted}}).encode())
+
+    async def main():
+        prefill, decode = Counting("http://p"), FakeInstance("http://d")
+        metrics = ProxyMetrics()
+        flow = PDFlow(Router([prefill], [decode]), metrics, protocol="pdserve",
+                      prompts=PromptTokens(tiny_model))
+
+        async def send(i: int) -> None:
+            body = {"prompt": list(range(1, 41)), "max_tokens": 8}
+            response = await flow.handle(json.dumps(body).encode(), "/v1/completions", f"r{i}", _never_gone)
+            assert response.status_code == 200
+
+        def mismatches() -> float:
+            return metrics.registry.get_sample_value("pdserve_proxy:prompt_token_mismatches_total")
+
+        await send(0)
+        assert mismatches() == 0
+        prefill.extra = 3
+        await send(1)
+        await send(2)
+        assert mismatches() == 2
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert caplog.text.count("the producer counted 43") == 1

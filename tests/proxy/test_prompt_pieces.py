@@ -61,3 +61,29 @@ def test_a_tokenizer_whose_pieces_do_not_add_up_is_encoded_whole(monkeypatch, ca
     text = "x" * 150 + "<|eos|>" + "y" * 150  # two pieces of 150: only the whole drifts
     assert prompts.pieces.encode(text) == drifting(text, False)
     assert not prompts.pieces.enabled and "encodes every prompt whole" in caplog.text
+
+
+def test_chats_with_tools_render_as_the_instances_do(tiny_model):
+    """The template sees the request's tools on the proxy as on the instance (server/tools.py),
+    none under tool_choice "none"; and a template given to the instances is the proxy's too."""
+    from pdserve.server.protocol import ChatCompletionRequest
+    from pdserve.server.tools import ToolPolicy, ToolRequest
+    from pdserve.text.tokenizer import Tokenizer
+
+    template = ("{% for t in tools or [] %}<tool>{{ t.function.name }}:{{ t.function.parameters | tojson }}"
+                "</tool>{% endfor %}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+                "<|assistant|>")
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    clock = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    prompts, tok = PromptTokens(tiny_model, template), Tokenizer(tiny_model, template)
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    seen = set()
+    for choice in (None, "auto", "required", "none", {"type": "function", "function": {"name": "get_time"}}):
+        body = {"messages": messages, "tools": [weather, clock], **({} if choice is None else {"tool_choice": choice})}
+        tools = ToolRequest(ChatCompletionRequest(**body), ToolPolicy(True, "hermes")).template_tools
+        text = tok.apply_chat_template(chat_messages(messages), True, tools=tools)
+        got = prompts.ids(body, "/v1/chat/completions")
+        assert got == chat_prompt_ids(tok, text), choice
+        seen.add(tuple(got))
+    assert len(seen) == 2  # with the tools, and without them ("none")

@@ -26,7 +26,7 @@ import httpx
 
 from pdserve.cluster import plan
 from pdserve.cluster.actors import NAMESPACE, REGISTRY, InstanceActor, Registry
-from pdserve.launcher import Instance, foreground
+from pdserve.launcher import Instance, chat_template_args, foreground
 
 logger = logging.getLogger("pdserve.cluster")
 
@@ -114,7 +114,9 @@ class RayDeployment:
                 raise TimeoutError(f"instances not up within {timeout_s:.0f} s: {json.dumps(status)}")
 
     def _start_proxy(self) -> None:
-        tokenizer = ["--tokenizer", self.model] if Path(self.model).exists() else []  # kv-aware routing
+        tokenizer = []  # kv-aware routing: the proxy tokenizes and renders chats as the instances do
+        if Path(self.model).exists():
+            tokenizer = ["--tokenizer", self.model, *chat_template_args(shlex.split(self.args.instance_args))]
         self.proxy = Instance("proxy", ["proxy", "--port", str(self.proxy_port), "--host", self.args.host,
                                         *tokenizer, *shlex.split(self.args.proxy_args)], host=self.args.host)
         self.proxy.spawn(self.log_dir, {**self.env, "PDSERVE_ADMIN_KEY": self.admin_key})

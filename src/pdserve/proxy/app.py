@@ -39,7 +39,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
     index = KVIndex(config.upstream_api_key) if config.routing == "kv-aware" else None
     router = Router([upstream(u) for u in config.prefill_urls], [upstream(u) for u in config.decode_urls],
                     config.probe_interval_s, config.routing, index)
-    prompts = PromptTokens(config.tokenizer) if config.tokenizer else None
+    prompts = PromptTokens(config.tokenizer, config.chat_template) if config.tokenizer else None
     metrics = ProxyMetrics()
     collections = PauseTimer()
     metrics.registry.register(HeapMetrics("pdserve_proxy", collections))

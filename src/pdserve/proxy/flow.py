@@ -62,6 +62,7 @@ class PDFlow:
         self._asking: asyncio.Future | None = None  # `auto`: the question in flight
         self._ask_after = 0.0
         self.legs = Legs(metrics, max_wait_s)
+        self._mismatch_said = False
 
     async def upstream_protocol(self) -> str:
         """`auto`: the `owned_by` of an instance that is up says (pdserve until one answers)."""
@@ -154,6 +155,7 @@ class PDFlow:
             self.metrics.requests.labels(f"prefill_{p_resp.status_code}").inc()
             return passed_on(p_resp, headers)
         p_json = p_resp.json()
+        self._check_count(ids, p_json)
         kv = p_json.get("kv_transfer_params")
         if not kv and n > 1:  # the first sample ended at its first token: decode does them all
             self.metrics.requests.labels("decode_only").inc()
@@ -181,6 +183,20 @@ class PDFlow:
             if kv and not taken:  # no decode instance took it: free the producer's blocks now
                 self.legs.release(producer, kv, headers)
             producer.upstream.unhold()
+
+    def _check_count(self, ids: list[int] | None, answer: dict) -> None:
+        """The producer's count of the prompt is the truth the proxy's ids should equal: a proxy
+        rendering or tokenizing otherwise (another --chat-template, tokenizer or version) routes
+        by blocks no instance holds. Counted, and said once."""
+        counted = (answer.get("usage") or {}).get("prompt_tokens")
+        if ids is None or not isinstance(counted, int) or counted == len(ids):
+            return
+        self.metrics.prompt_mismatches.inc()
+        if not self._mismatch_said:
+            self._mismatch_said = True
+            logger.warning("the proxy tokenized a prompt to %d tokens, the producer counted %d: routing "
+                           "by cached blocks misses while they differ (is the proxy given the instances' "
+                           "--chat-template and checkpoint?)", len(ids), counted)
 
     def _decide(self, body: dict, plan: Placement) -> str:
         """Conditional disaggregation. With kv-aware routing, unless `--local-prefill-max-tokens`

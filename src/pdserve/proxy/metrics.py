@@ -38,6 +38,10 @@ class ProxyMetrics:
                                 registry=r)
         self.outstanding = Gauge("pdserve_proxy:upstream_outstanding", "Requests in flight per instance.",
                                  ["role", "upstream"], registry=r)
+        self.prompt_mismatches = Counter(
+            "pdserve_proxy:prompt_token_mismatches",
+            "Prompts the proxy tokenized to another length than the producer counted (another template "
+            "or tokenizer: routing by blocks misses; answers are unaffected).", registry=r)
         self.healthy = Gauge("pdserve_proxy:upstream_healthy", "1 if the instance answered its last probe.",
                              ["role", "upstream"], registry=r)
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 from pdserve.health import PrefixCacheInfo
 from pdserve.prefix_cache.hashing import event_hash, extra_keys, hash_blocks
 from pdserve.proxy.pieces import PieceEncoder
-from pdserve.text.prompts import chat_messages, text_prompt_ids
+from pdserve.text.prompts import chat_messages, template_tools, text_prompt_ids
 from pdserve.text.tokenizer import Tokenizer
 
 
 class PromptTokens:
-    def __init__(self, model_dir: str):
-        self.tokenizer = Tokenizer(model_dir)
+    def __init__(self, model_dir: str, chat_template: str | None = None):
+        """`chat_template`: the instances' `--chat-template`, where they were given one."""
+        self.tokenizer = Tokenizer(model_dir, chat_template)
         self.pieces = PieceEncoder(self.tokenizer)  # as text/prompts.py's chat_prompt_ids, remembered
 
     def ids(self, body: dict, path: str) -> list[int] | None:
@@ -43,8 +44,16 @@ class PromptTokens:
         text = self.tokenizer.apply_chat_template(
             chat_messages(body["messages"]), body.get("add_generation_prompt", True),
             continue_final_message=bool(body.get("continue_final_message", False)),
-            template_kwargs=kwargs if isinstance(kwargs, dict) else None)
+            template_kwargs=kwargs if isinstance(kwargs, dict) else None, tools=_tools(body))
         return self.pieces.encode(text)
+
+
+def _tools(body: dict) -> list[dict] | None:
+    """The tools the instance's template will see (server/tools.py): none under tool_choice "none"."""
+    tools = body.get("tools")
+    if not tools or body.get("tool_choice") == "none":
+        return None
+    return template_tools([t["function"] for t in tools])
 
 
 def block_hashes(ids: list[int], info: PrefixCacheInfo, cache_salt) -> list[int]:

@@ -13,6 +13,7 @@ import uuid
 
 from pdserve.sampling_params import InvalidRequestError, StructuredOutputs
 from pdserve.server.structured import json_schema, structured_outputs
+from pdserve.text.prompts import template_tools
 from pdserve.text.tool_parsers import Parsed, StreamingToolParser, ToolCall, json_calls, get_parser
 
 
@@ -48,7 +49,7 @@ class ToolRequest:
         """What the chat template receives as `tools` (none when tool_choice is none)."""
         if not self.tools or self.mode == "none":
             return None
-        return [{"type": "function", "function": f} for f in self.tools]
+        return template_tools(self.tools)
 
     def constraint(self) -> StructuredOutputs | None:
         if self.mode == "named":

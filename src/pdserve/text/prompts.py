@@ -57,6 +57,12 @@ def _template_call(call) -> dict:
     return {**call, "function": fn}
 
 
+def template_tools(functions: list[dict]) -> list[dict]:
+    """What a chat template receives as `tools`: each function as {"type": "function", "function": ...},
+    as vLLM hands OpenAI's function tools to templates (the instance's and the proxy's rendering)."""
+    return [{"type": "function", "function": f} for f in functions]
+
+
 def chat_prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """A rendered chat prompt's ids: the template already placed every special token."""
     return tokenizer.encode(text, add_special_tokens=False)
