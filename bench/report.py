@@ -88,9 +88,10 @@ def kv_dtype(r) -> list[str]:
                  for b in batches]
         out.append(f"| {name} | {d['read_bytes'] / 2**20:.1f} ({d['read_bytes'] / base['read_bytes']:.3f}×) | "
                    + " | ".join(cells) + " |")
-    return out + ["", "The C decode kernel reads float32 and bfloat16 caches in place; fp8_e4m3 decodes through "
-                  "PyTorch, dequantizing every block it reads. bfloat16's gain grows with the KV's share of the "
-                  "bytes a step reads (the weights stay float32 here)."]
+    return out + ["", "The C decode kernel reads each cache as stored (fp8 with its per-slot scales), widening "
+                  "rows to float32 as it loads them; the gain grows with the KV's share of the bytes a step "
+                  "reads (the weights stay float32 here), and fp8's widening costs more arithmetic than "
+                  "bfloat16's."]
 
 
 def transfer(rows) -> list[str]:

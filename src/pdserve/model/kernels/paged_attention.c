@@ -99,6 +99,16 @@ static inline float bf16_float(uint16_t x) {
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef _Float16 h16x16 __attribute__((vector_size(32)));
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* GCC 12 converts a vector of _Float16 one lane at a time: the instruction, directly */
+static inline v16 load_fp8(const uint8_t *p) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+                                         _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+    return (v16)_mm512_cvtph_ps(bits);
+}
+#else
 static inline v16 load_fp8(const uint8_t *p) {
     u8x16 b;
     memcpy(&b, p, sizeof b);
@@ -108,6 +118,7 @@ static inline v16 load_fp8(const uint8_t *p) {
     memcpy(&h, &bits, sizeof h);
     return __builtin_convertvector(h, v16);
 }
+#endif
 
 static inline float fp8_float(uint8_t x) {
     const uint16_t bits = (uint16_t)(((x & 0x7F) << 7) | ((x & 0x80) << 8));
