@@ -138,9 +138,15 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
 
 
-# Every instance of a deployment publishes its KV events on loopback, on ports it picks itself.
-KV_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:0",
-                        "replay_endpoint": "tcp://127.0.0.1:0"})
+def with_kv_events(args: list[str], host: str = "127.0.0.1") -> list[str]:
+    """An instance's arguments publishing its KV events (for the proxy's KV index) on `host`, the
+    address it serves on (loopback for a local deployment, the node's for Ray), on ports it picks
+    itself; unless the arguments already configure them."""
+    if any(a.startswith("--kv-events-config") for a in args):
+        return list(args)
+    where = f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": where, "replay_endpoint": where}
+    return [*args, "--kv-events-config", json.dumps(config)]
 
 
 class Deployment:
@@ -159,9 +165,7 @@ class Deployment:
         # Every deployment signs its KV transfer params and side channel (docs/security.md).
         self.env = {"PDSERVE_KV_SECRET": os.environ.get("PDSERVE_KV_SECRET") or secrets.token_hex(32),
                     **(env or {})}
-        extra = list(instance_args or [])
-        if not any(a.startswith("--kv-events-config") for a in extra):  # the proxy's KV index reads them
-            extra += ["--kv-events-config", KV_EVENTS]
+        extra = with_kv_events(list(instance_args or []))  # the proxy's KV index reads them
         self.instances: list[Instance] = []
         for role, tps, cpus in (("prefill", prefill_tp, prefill_cpus), ("decode", decode_tp, decode_cpus)):
             for tp, cpu in zip(tps, cpus):

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -93,6 +94,13 @@ def test_instances_on_their_nodes_answer_like_one_instance(deployment, tiny_mode
         assert_greedy_match(body["choices"][0]["token_ids"], hf_reference(tiny_model, ids, 10), "ray")
     decode = instance(s, "decode")
     assert metric(decode, "pdserve:kv_transfers_total") >= 2  # the KV crossed from node to node
+    # each instance publishes its KV events on its node's address; the proxy's index follows both
+    deadline, indexed = time.monotonic() + 10, {}
+    while time.monotonic() < deadline and not (len(indexed) == 2 and all(indexed.values())):
+        time.sleep(0.2)
+        with urllib.request.urlopen(proxy.url + "/kv/index", timeout=10) as r:
+            indexed = json.loads(r.read())["instances"]
+    assert sorted(indexed) == sorted(i["url"] for i in s["instances"]) and all(indexed.values()), indexed
 
 
 class Load:

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 from pdserve.cluster.plan import check_counts
-from pdserve.launcher import Instance
+from pdserve.launcher import Instance, with_kv_events
 
 NAMESPACE = "pdserve"
 REGISTRY = "pdserve-registry"
@@ -31,7 +31,8 @@ class InstanceActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.stopping = False
         serve = ["serve", model, "--port", "0", "--host", self.host, "--side-channel-host", self.host,
-                 "--tensor-parallel-size", str(tp), "--num-threads", str(threads), *args]
+                 "--tensor-parallel-size", str(tp), "--num-threads", str(threads),
+                 *with_kv_events(args, self.host)]  # the proxy's KV index, from another node
         self.instance = Instance(role, serve, host=self.host)
         log_dir = Path(tempfile.mkdtemp(prefix=f"pdserve-ray-{role}-"))
         self.instance.spawn(log_dir, env).wait_healthy(start_timeout_s)
