@@ -63,10 +63,12 @@ static inline void NAME(cursor_next)(NAME(cursor) *c) {
     if (c->ahead_left > 0) NAME(cursor_ahead)(c);
 }
 
-#ifdef KV_SCALED
+#ifdef KV_SCALED /* a row's scale: at a cursor, and at a slot */
 #define NAME_ROW_SCALE(c) (*(c).srow * ROW_UNIT)
+#define SLOT_SCALE(scales, slot) ((scales)[slot] * ROW_UNIT)
 #else
 #define NAME_ROW_SCALE(c) 1.0f
+#define SLOT_SCALE(scales, slot) 1.0f
 #endif
 
 /* One (sequence, KV head): G query heads at q, written to out. `scores` holds G * (n + 16) floats. */
@@ -164,11 +166,7 @@ static void NAME(attend_plain)(const float *q, const KV_T *k_cache, const KV_T *
     for (int t = first; t < ctx; t++) {
         const size_t slot = ((size_t)table[t / bs] * H + h) * bs + t % bs;
         const KV_T *k = k_cache + slot * D;
-#ifdef KV_SCALED
-        const float ks = k_scales[slot] * ROW_UNIT;
-#else
-        const float ks = 1.0f;
-#endif
+        const float ks = SLOT_SCALE(k_scales, slot);
         for (int g = 0; g < G; g++) {
             float dot = 0.0f;
             for (int d = 0; d < D; d++) dot += q[(size_t)g * D + d] * KV_FLOAT(k[d]);
@@ -186,11 +184,7 @@ static void NAME(attend_plain)(const float *q, const KV_T *k_cache, const KV_T *
     for (int t = first; t < ctx; t++) {
         const size_t slot = ((size_t)table[t / bs] * H + h) * bs + t % bs;
         const KV_T *v = v_cache + slot * D;
-#ifdef KV_SCALED
-        const float vs = v_scales[slot] * ROW_UNIT;
-#else
-        const float vs = 1.0f;
-#endif
+        const float vs = SLOT_SCALE(v_scales, slot);
         for (int g = 0; g < G; g++) {
             const float p = scores[(size_t)g * n + (t - first)] * vs;
             for (int d = 0; d < D; d++) out[(size_t)g * D + d] += p * KV_FLOAT(v[d]);
@@ -234,3 +228,4 @@ void ENTRY(const float *q, const KV_T *k_cache, const KV_T *v_cache,
 }
 
 #undef NAME_ROW_SCALE
+#undef SLOT_SCALE
