@@ -97,15 +97,11 @@ NAME(attend_vec)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const
                     ks = NAME_ROW_SCALE(k);
                     NAME(cursor_next)(&k);
                 }
-                (void)ks;
                 for (int g = 0; g < gn; g++) {
                     v16 acc = {0};
                     if (i < valid)
                         for (int c = 0; c < chunks; c++) acc += qv[g][c] * kr[c];
-#ifdef KV_SCALED
-                    acc *= ks;
-#endif
-                    part[g][i] = acc;
+                    part[g][i] = acc * ks; /* unscaled types: times a constant 1, compiled away */
                 }
             }
             for (int g = 0; g < gn; g++) {
@@ -140,14 +136,9 @@ NAME(attend_vec)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const
             v16 vr[MAX_CHUNKS];
             for (int c = 0; c < chunks; c++) vr[c] = LOAD_KV(v.row + 16 * c);
             const float vs = NAME_ROW_SCALE(v);
-            (void)vs;
             NAME(cursor_next)(&v);
             for (int g = 0; g < gn; g++) {
-#ifdef KV_SCALED
                 const float p = sg[(size_t)g * stride + i] * vs;
-#else
-                const float p = sg[(size_t)g * stride + i];
-#endif
                 for (int c = 0; c < chunks; c++) acc[g][c] += p * vr[c];
             }
         }
