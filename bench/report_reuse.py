@@ -1,5 +1,5 @@
-"""README lines for the reuse and routing benchmarks (multiturn, pull_breakeven, kv_events, routing,
-routing_multiturn, proxy_tokenize), called by bench/report.py."""
+"""README lines for the reuse and routing benchmarks (multiturn, pull_breakeven, kv_events,
+index_exactness, routing, routing_multiturn, proxy_tokenize), called by bench/report.py."""
 
 from __future__ import annotations
 
@@ -46,6 +46,19 @@ def kv_events(r: dict) -> list[str]:
                      f"{x['time_to_exact_ms']} ms after the run ({x['snapshots']} snapshot(s))" for x in r["runs"])
     return [f"KV events (`bench/kv_events.py`, {r['drop_fraction']:.0%} of batches dropped, evictions): {runs} "
             f"(target: exact within {r['target_s']:g} s)."]
+
+
+def index_exactness(r: dict) -> list[str]:
+    points = r["checkpoints"]
+    exact = [c for c in points if c["exact"]]
+    slowest = max((c["time_to_exact_ms"] for c in exact), default=None)
+    return [f"The proxy's KV index (`bench/index_exactness.py`, 2P2D `--mock-engine`, {r['num_blocks_per_instance']} "
+            f"blocks per instance, {r['drop_fraction']:.0%} of every instance's batches lost in the proxy, 4 trace "
+            "phases, a decode and a producer killed and restarted, two caches reset): equal to the union of the "
+            f"instances' caches at {len(exact)} of {len(points)} quiescent checkpoints"
+            + (f", each within {slowest:g} ms of quiescence" if slowest is not None else "")
+            + f"; {r['batches_dropped']} of {r['batches_received']} batches lost, {r['snapshots']} snapshot(s) "
+            "(target: exact at every checkpoint)."]
 
 
 def routing(r: dict) -> list[str]:

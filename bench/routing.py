@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+from pdserve.bench.trace import conversation_trace  # noqa: E402
 from pdserve.cli import ensure_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,33 +38,6 @@ PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 POLICIES = ("kv-aware", "least-loaded", "least-loaded/no-pulls", "round-robin")
 BLOCK_TOKENS = 64  # tokens per trace hash id here
 NUM_BLOCKS = 384  # KV blocks per instance (16 tokens each): ~4.5 % of the default trace's unique blocks
-
-
-def make_trace(rows: int, seed: int) -> list[dict]:
-    """Conversations over a few shared system prompts; each turn = the history + 1-3 new hash ids."""
-    rng = random.Random(seed)
-    systems = [[1000 * s + i for i in range(rng.randint(2, 4))] for s in range(4)]
-    next_id, out, t = 10**6, [], 0.0
-    sessions = []
-    while len(out) < rows:
-        if not sessions or rng.random() < 0.35:  # a new conversation starts
-            sessions.append({"id": len(sessions), "ids": list(rng.choice(systems)), "turns": 0, "at": t})
-        s = rng.choice(sessions)
-        new = list(range(next_id, next_id + rng.randint(1, 3)))
-        next_id += len(new)
-        s["ids"] += new
-        s["turns"] += 1
-        s["at"] = max(s["at"], t) + rng.uniform(0.5, 3.0)  # think time
-        out.append({"timestamp": round(s["at"] * 1000), "input_length": len(s["ids"]) * 512,
-                    "output_length": rng.randint(2, 8) * 8, "hash_ids": list(s["ids"]),
-                    "session_id": s["id"]})
-        s["ids"] += [next_id]  # the answer joins the history
-        next_id += 1
-        if s["turns"] >= 8 or len(s["ids"]) > 14:
-            sessions.remove(s)
-        t += rng.expovariate(4.0)
-    out.sort(key=lambda r: r["timestamp"])
-    return out
 
 
 def metric_sum(url: str, name: str) -> float:
@@ -185,7 +158,7 @@ def main() -> None:
     model = ensure_model(None)
     work = Path(tempfile.mkdtemp(prefix="pdserve-routing-"))
     trace = work / "trace.jsonl"
-    trace.write_text("".join(json.dumps(r) + "\n" for r in make_trace(rows, args.seed)))
+    trace.write_text("".join(json.dumps(r) + "\n" for r in conversation_trace(rows, args.seed)))
     policies = POLICIES[:2] if args.quick else tuple(args.policies.split(","))
     results = [run_policy(model, policy, trace, args, work) for policy in policies]
     by = {r["policy"]: r for r in results}

@@ -192,7 +192,8 @@ def _proxy(args) -> int:
         max_wait_s=args.max_wait_s, local_prefill_max_tokens=args.local_prefill_max_tokens,
         request_timeout_s=args.request_timeout_s, routing=args.routing,
         tokenizer=ensure_model(args.tokenizer) if args.tokenizer else None, chat_template=args.chat_template,
-        local_prefill_max_queue=args.local_prefill_max_queue, admin_key=os.environ.get("PDSERVE_ADMIN_KEY"))
+        local_prefill_max_queue=args.local_prefill_max_queue, admin_key=os.environ.get("PDSERVE_ADMIN_KEY"),
+        kv_events_drop_fraction=args.kv_events_drop_fraction, kv_events_drop_seed=args.kv_events_drop_seed)
     run_proxy(config, args.log_level.upper())
     return 0
 
@@ -323,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the instances' --chat-template, where they were given one (pdserve up passes it)")
     p.add_argument("--upstream-protocol", default="auto", choices=["auto", "pdserve", "vllm"],
                    help="what the instances are: vllm producers get max_tokens 1 (auto: ask them)")
+    # benchmarks of the KV index's repairs (bench/index_exactness.py): lose batches on purpose, seeded
+    p.add_argument("--kv-events-drop-fraction", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--kv-events-drop-seed", type=int, default=0, help=argparse.SUPPRESS)
     p.set_defaults(func=_proxy)
 
     p = sub.add_parser("up", help="start a local P/D deployment: prefill, decode and proxy")

@@ -261,8 +261,12 @@ class ProxyConfig:
     routing: str = "kv-aware"  # round-robin, least-loaded or kv-aware (proxy/policy.py)
     tokenizer: str | None = None  # the model's checkpoint: prompts are tokenized to route by their blocks
     chat_template: str | None = None  # the instances' --chat-template, rendered as they render it
+    kv_events_drop_fraction: float = 0.0  # benchmarks only: the KV index loses this share of batches
+    kv_events_drop_seed: int = 0
 
     def __post_init__(self):
+        _check(0.0 <= self.kv_events_drop_fraction < 1.0, "kv_events_drop_fraction",
+               f"must be in [0, 1), got {self.kv_events_drop_fraction}")
         _check(self.routing in ("round-robin", "least-loaded", "kv-aware"), "routing",
                f"must be round-robin, least-loaded or kv-aware, got {self.routing!r}")
         _check(self.upstream_protocol in ("auto", "pdserve", "vllm"), "upstream_protocol",

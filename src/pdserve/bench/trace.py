@@ -110,3 +110,33 @@ def _number(x) -> bool:
 
 def scaled_length(input_length: int, block_tokens: int, source_block_tokens: int) -> int:
     return max(1, math.ceil(input_length * block_tokens / source_block_tokens))
+
+
+def conversation_trace(rows: int, seed: int) -> list[dict]:
+    """A trace of `rows` rows (as JSON objects, seeded): conversations over four shared system
+    prompts of 2-4 hash ids, each turn the history + 1-3 new hash ids, the answer's id joining the
+    history; new conversations start at ~4 per second of trace time, 0.5-3 s of think time
+    between turns, at most 8 turns or 15 hash ids each."""
+    rng = random.Random(seed)
+    systems = [[1000 * s + i for i in range(rng.randint(2, 4))] for s in range(4)]
+    next_id, out, t = 10**6, [], 0.0
+    sessions = []
+    while len(out) < rows:
+        if not sessions or rng.random() < 0.35:  # a new conversation starts
+            sessions.append({"id": len(sessions), "ids": list(rng.choice(systems)), "turns": 0, "at": t})
+        s = rng.choice(sessions)
+        new = list(range(next_id, next_id + rng.randint(1, 3)))
+        next_id += len(new)
+        s["ids"] += new
+        s["turns"] += 1
+        s["at"] = max(s["at"], t) + rng.uniform(0.5, 3.0)  # think time
+        out.append({"timestamp": round(s["at"] * 1000), "input_length": len(s["ids"]) * 512,
+                    "output_length": rng.randint(2, 8) * 8, "hash_ids": list(s["ids"]),
+                    "session_id": s["id"]})
+        s["ids"] += [next_id]  # the answer joins the history
+        next_id += 1
+        if s["turns"] >= 8 or len(s["ids"]) > 14:
+            sessions.remove(s)
+        t += rng.expovariate(4.0)
+    out.sort(key=lambda r: r["timestamp"])
+    return out

@@ -129,7 +129,9 @@ class KVEventFollower:
     cannot fill it when the publisher no longer buffers that batch or skipped its number (queue
     overflow); then the follower loads a snapshot and goes on from the snapshot's sequence. A lost
     *last* batch shows no gap until the next one, so a stream quiet for `idle_s` is checked by a
-    replay from `next_seq` (one round trip; empty when nothing was missed)."""
+    replay from `next_seq` (one round trip; empty when nothing was missed). A batch lost after that
+    check is found when the publisher says it sealed it (`published`, from the instance's /health):
+    a quiet stream behind the publisher is replayed again."""
 
     def __init__(self, subscriber: KVEventSubscriber, snapshot: Callable[[], Snapshot] | None = None,
                  index: BlockIndex | None = None, idle_s: float = 0.1, replay_timeout_s: float = 2.0):
@@ -139,16 +141,18 @@ class KVEventFollower:
         self._idle_s = idle_s
         self._replay_timeout_s = replay_timeout_s
         self._checked = True  # nothing applied since the last replay check
+        self._published_seq = -1  # the last batch the publisher says it sealed
         self.num_gaps = 0  # gaps found (from sequence numbers or a quiet-stream check)
         self.num_replayed = 0  # batches applied from replay
         self.num_snapshots = 0  # snapshots loaded because replay could not fill a gap
 
     def poll(self, timeout_s: float | None = None) -> None:
         """Apply the next published batch, or after `timeout_s` (default `idle_s`) of quiet check
-        by replay that nothing was missed (once per quiet spell)."""
+        by replay that nothing was missed (once per quiet spell, and while the publisher says it
+        sealed a batch this follower has not applied)."""
         got = self.subscriber.recv(self._idle_s if timeout_s is None else timeout_s)
         if got is None:
-            if not self._checked:
+            if not self._checked or self._published_seq >= self.index.next_seq:
                 self._check_quiet()
                 self._checked = not self.index.gap  # a failed repair is tried again
             return
@@ -159,6 +163,11 @@ class KVEventFollower:
         self.num_gaps += 1
         self._resync()
         self.index.apply(seq, batch)  # unless the repair already covered it
+
+    def published(self, seq: int) -> None:
+        """The publisher has sealed batches up to `seq` (its /health's `last_seq`; any thread): if
+        the stream goes quiet before they arrive, they were lost, and the next quiet poll replays."""
+        self._published_seq = seq
 
     def follow_until(self, done: Callable[[BlockIndex], bool], timeout_s: float) -> bool:
         """Poll until `done(index)`; False when `timeout_s` passed first."""

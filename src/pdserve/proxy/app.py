@@ -36,7 +36,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
     def upstream(url: str) -> Upstream:
         return Upstream(url, config.upstream_api_key, config.connect_timeout_s, config.request_timeout_s)
 
-    index = KVIndex(config.upstream_api_key) if config.routing == "kv-aware" else None
+    index = KVIndex(config.upstream_api_key, config.kv_events_drop_fraction, config.kv_events_drop_seed) \
+        if config.routing == "kv-aware" else None
     router = Router([upstream(u) for u in config.prefill_urls], [upstream(u) for u in config.decode_urls],
                     config.probe_interval_s, config.routing, index)
     prompts = PromptTokens(config.tokenizer, config.chat_template) if config.tokenizer else None
@@ -105,13 +106,15 @@ def create_app(config: ProxyConfig) -> FastAPI:
     @app.get("/kv/index")
     async def kv_index(hashes: bool = False):
         """How many blocks the KV index holds for each instance (absent: not indexed); with
-        `?hashes=true`, the hashes themselves (64-bit, as in events)."""
-        out = {}
+        `?hashes=true`, the hashes themselves (64-bit, as in events); `repairs`: what each
+        instance's follower received, lost and repaired since it started."""
+        out, repairs = {}, {}
         for state in router.prefill.states + router.decode.states:
             held = index.indexed(state.url) if index is not None else None
             if held is not None:
                 out[state.url] = sorted(held) if hashes else len(held)
-        return {"routing": config.routing, "instances": out}
+                repairs[state.url] = index.repairs(state.url)
+        return {"routing": config.routing, "instances": out, "repairs": repairs}
 
     @app.get("/metrics")
     async def prometheus():
