@@ -115,6 +115,22 @@ def test_chat_prompt_logprobs(pd, where):
     assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in entries[1:])
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_prompt_logprobs_in_a_stream_are_a_400_and_hold_nothing(pd, path):
+    """vLLM refuses them in a stream; through P/D the refusal comes before any KV is held."""
+    body = {"prompt": "score me", "messages": [{"role": "user", "content": "score me"}], "max_tokens": 2,
+            "prompt_logprobs": 1, "stream": True}
+    body.pop("messages" if path == "/v1/completions" else "prompt")
+    for url in (pd.proxy.url, pd.prefill[0].url):
+        r = httpx.post(url + path, json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+    for inst in (pd.prefill[0], pd.decode[0]):
+        s = wait_idle(inst)
+        assert s["num_free_blocks"] == s["num_blocks"], s
+    answer = _post(pd.proxy.url, path, {**body, "stream": False})  # the same body unstreamed is served
+    assert (answer.get("prompt_logprobs") or answer["choices"][0]["prompt_logprobs"])[1]
+
+
 def _stream_tokens(url: str, body: dict) -> dict[int, list[int]]:
     tokens: dict[int, list[int]] = {}
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:

@@ -42,6 +42,26 @@ def clients(dep):
             for name, url in (("instance", dep.decode[0].url), ("pd", dep.proxy.url))}
 
 
+def streamed_calls(chunks) -> tuple[list[dict], str]:
+    """A stream's tool calls put together as OpenAI's clients do (by index: the first delta carries
+    the id and name, the others pieces of the arguments), and its last finish reason."""
+    calls, finish = {}, None
+    for ch in chunks:
+        if not ch.choices:
+            continue
+        finish = ch.choices[0].finish_reason or finish
+        for tc in ch.choices[0].delta.tool_calls or []:
+            if tc.index not in calls:
+                assert tc.id and tc.type == "function" and tc.function.name
+                calls[tc.index] = {"name": tc.function.name, "arguments": "", "pieces": 0}
+            else:
+                assert tc.id is None and tc.function.name is None  # named once, then arguments only
+            calls[tc.index]["arguments"] += tc.function.arguments or ""
+            calls[tc.index]["pieces"] += 1
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[i] for i in sorted(calls)], finish
+
+
 def test_json_schema_single_and_pd(dep):
     for name, client in clients(dep).items():
         r = client.chat.completions.create(
@@ -78,6 +98,17 @@ def test_named_and_required_tool_choice(dep):
         for call in r.choices[0].message.tool_calls:
             tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
             jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        # streamed: the name first, then the arguments in pieces as the grammar lets the model write them
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice, want in ((named, "stop"), ("required", "tool_calls")):
+            calls, finish = streamed_calls(client.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=120, tools=[WEATHER, TIME], tool_choice=choice,
+                seed=1, temperature=1.0, parallel_tool_calls=False, stream=True))
+            assert finish == want and calls, (name, choice)
+            for call in calls:
+                tool = {"get_weather": WEATHER, "get_time": TIME}[call["name"]]
+                jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
+                assert call["pieces"] > 2, (name, choice, call)
 
 
 def test_auto_reads_calls_with_the_parser(dep):
@@ -90,11 +121,10 @@ def test_auto_reads_calls_with_the_parser(dep):
         assert r.choices[0].finish_reason == "tool_calls", name
         assert r.choices[0].message.content == "Sure."
         assert r.choices[0].message.tool_calls[0].function.name == "get_time"
-        chunks = list(client.chat.completions.create(**body, stream=True))
-        calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
-        assert [c.function.name for c in calls] == ["get_time"]
-        assert json.loads(calls[0].function.arguments)["tz"] in ("UTC", "CET")
-        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+        calls, finish = streamed_calls(client.chat.completions.create(**body, stream=True))
+        assert [c["name"] for c in calls] == ["get_time"] and finish == "tool_calls"
+        assert json.loads(calls[0]["arguments"])["tz"] in ("UTC", "CET")
+        assert calls[0]["pieces"] > 2  # the arguments as they are written, not once the call is closed
 
 
 def test_auto_without_a_parser_is_refused(dep, tiny_model):

@@ -86,3 +86,13 @@ def test_fields_of_neither_schema_are_ignored_with_one_warning_per_name(caplog):
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 2 and any("no_stop_trim" in w for w in warned) \
         and any("return_hidden_states" in w for w in warned)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_prompt_logprobs_are_refused_in_a_stream(chat):
+    """vLLM's rule: a stream has no place for them (0, asking for none, passes)."""
+    with pytest.raises(InvalidRequestError) as e:
+        params({"stream": True, "prompt_logprobs": 2}, chat)
+    assert e.value.field == "prompt_logprobs" and "stream" in str(e.value)
+    assert params({"stream": True, "prompt_logprobs": 0}, chat).prompt_logprobs == 0
+    assert params({"prompt_logprobs": 2}, chat).prompt_logprobs == 2

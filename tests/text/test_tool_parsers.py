@@ -29,19 +29,48 @@ def test_whole_answer(name):
     assert parsed.content == content
 
 
+def streamed(stream: StreamingToolParser, text: str, piece: int) -> tuple[str, dict[int, list]]:
+    """Feed text in pieces; the content and, per call index, [name, arguments, argument pieces]."""
+    content, calls = "", {}
+    for i in range(0, len(text) + 1, piece):
+        c, deltas = stream.feed(text[i:i + piece], final=i + piece > len(text))
+        content += c
+        for d in deltas:
+            if d.name is not None:
+                assert d.index == len(calls) and d.arguments == ""  # the name comes first, alone
+                calls[d.index] = [d.name, "", 0]
+            else:
+                calls[d.index][1] += d.arguments
+                calls[d.index][2] += 1
+    return content, calls
+
+
 @pytest.mark.parametrize("name", CASES)
-@pytest.mark.parametrize("piece", [1, 3, 7])
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
 def test_streamed_in_pieces_equals_whole(name, piece):
     text, content = CASES[name]
-    stream = StreamingToolParser(get_parser(name))
-    got_content, calls = "", []
-    for i in range(0, len(text), piece):
-        c, new = stream.feed(text[i:i + piece])
-        got_content += c
-        calls += new
-    c, new = stream.feed("", final=True)
-    assert calls + new == [W, T]
-    assert got_content + c == (content or "")
+    got_content, calls = streamed(StreamingToolParser(get_parser(name)), text, piece)
+    assert [ToolCall(n, json.dumps(json.loads(a))) for n, a, _ in calls.values()] == [W, T]
+    assert got_content == (content or "")
+    if piece < 7:  # the arguments arrive as they are written, not once the call is complete
+        assert all(num_pieces > 3 for _, _, num_pieces in calls.values())
+
+
+def test_arguments_written_as_a_string_or_missing():
+    text = '{"name": "f", "arguments": "{\\"x\\": [1, \\"}\\"]}"}; {"name": "g"}'
+    whole = get_parser("llama3_json").parse(text).calls
+    assert whole == [ToolCall("f", '{"x": [1, "}"]}'), ToolCall("g", "{}")]
+    _, calls = streamed(StreamingToolParser(get_parser("llama3_json")), text, 2)
+    assert [ToolCall(n, a) for n, a, _ in calls.values()] == whole
+
+
+def test_a_truncated_call_keeps_what_was_streamed():
+    """max_tokens cut the call: its name and the arguments written so far were passed on (vLLM's
+    behaviour too); nothing is passed on again as content."""
+    text = 'Hm.<tool_call>{"name": "get_weather", "arguments": {"city": "Par'
+    content, calls = streamed(StreamingToolParser(get_parser("hermes")), text, 5)
+    assert content == "Hm."
+    assert [(n, a) for n, a, _ in calls.values()] == [("get_weather", '{"city": "Par')]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -57,7 +86,7 @@ def test_a_call_that_does_not_parse_stays_content():
     text = "<tool_call>{not json</tool_call>"
     assert get_parser("hermes").parse(text).calls == []
     stream = StreamingToolParser(get_parser("hermes"))
-    assert stream.feed(text) == ("", [])
+    assert stream.feed(text) == ("", [])  # held back: it may still be a call
     assert stream.feed("", final=True) == (text, [])
 
 

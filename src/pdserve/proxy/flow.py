@@ -105,6 +105,8 @@ class PDFlow:
     async def _handle(self, raw_body: bytes, path: str, request_id: str) -> Response:
         body = parse_body(raw_body)
         body.pop("kv_transfer_params", None)  # the producer's word, never the client's
+        if body.get("stream") and body.get("prompt_logprobs"):  # the instances' rule (vLLM's), before any KV is held
+            raise APIError(400, "`prompt_logprobs` are not available when `stream=True`", param="prompt_logprobs")
         parts = split_prompts(body, path)
         if parts is None:
             return await self._handle_one(body, path, request_id)

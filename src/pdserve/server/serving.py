@@ -136,6 +136,8 @@ class BaseServing:
         if name is not None:
             raise InvalidRequestError(name, f"is not supported by pdserve (got {getattr(req, name)!r}; "
                                             "leave it unset)")
+        if req.stream and req.prompt_logprobs:  # vLLM's rule; 0 asks for none
+            raise InvalidRequestError("prompt_logprobs", "are not available when `stream=True`")
         for name in unknown_fields(req):
             if name not in self.ignored_fields:
                 self.ignored_fields.add(name)

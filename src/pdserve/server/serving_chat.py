@@ -80,7 +80,8 @@ class ChatServing(BaseServing):
             id=response_id, model=self.model_name,
             choices=[ChatChoice(index=c.index, message=_message(tools, c.text),
                                 logprobs=self._logprobs(c.logprobs) if req.logprobs else None,
-                                finish_reason=_finish_reason(tools, c.text, c.finish_reason),
+                                finish_reason=_finish_reason(tools, bool(tools.answer(c.text)[1]),
+                                                             c.finish_reason),
                                 stop_reason=c.stop_reason,
                                 token_ids=c.token_ids if req.return_token_ids else None)
                      for c in choices],
@@ -99,7 +100,7 @@ class ChatServing(BaseServing):
             logprobs = self._logprobs(out.new_logprobs) if out.new_logprobs is not None else None
             ts = tool_streams[choice.index]
             content, calls = ts.feed(out.new_text, out.finished)
-            finish = "tool_calls" if out.finished and ts.called and tools.mode != "named" else out.finish_reason
+            finish = _finish_reason(tools, ts.called, out.finish_reason) if out.finished else out.finish_reason
             return ChatCompletionChunk(
                 id=response_id, model=self.model_name,
                 choices=[ChatStreamChoice(index=choice.index, delta=DeltaMessage(content=content, tool_calls=calls),
@@ -139,8 +140,8 @@ def _message(tools: ToolRequest, text: str) -> ChatResponseMessage:
     return ChatResponseMessage(content=content if calls else text, tool_calls=calls or [])
 
 
-def _finish_reason(tools: ToolRequest, text: str, reason: str | None) -> str | None:
+def _finish_reason(tools: ToolRequest, called: bool, reason: str | None) -> str | None:
     """vLLM's: "tool_calls" when auto or required produced calls; a named function keeps its own."""
-    if tools.mode in ("auto", "required") and reason == "stop" and tools.answer(text)[1]:
+    if tools.mode in ("auto", "required") and reason == "stop" and called:
         return "tool_calls"
     return reason

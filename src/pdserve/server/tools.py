@@ -3,7 +3,8 @@
 Server process, chat only. `required` and a named function are forced through the grammar (a JSON
 schema built from the tools, as vLLM builds it); `auto` reads the model's own format with the
 server's `--tool-call-parser` (text/tool_parsers.py). Calls come back as `tool_calls` in the message
-(`finish_reason: "tool_calls"`), streamed as deltas in vLLM's shape.
+(`finish_reason: "tool_calls"`); streamed, as OpenAI and vLLM stream them: a call's first delta
+carries its id and name, the ones after it pieces of its arguments as the model writes them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pdserve.sampling_params import InvalidRequestError, StructuredOutputs
 from pdserve.server.structured import json_schema, structured_outputs
 from pdserve.text.prompts import template_tools
 from pdserve.text.tool_parsers import Parsed, StreamingToolParser, ToolCall, json_calls, get_parser
+from pdserve.text.tool_stream import CallDelta, CallScanner
 
 
 class ToolPolicy:
@@ -84,31 +86,39 @@ class _Stream:
     def __init__(self, tools: ToolRequest):
         self.tools = tools
         self.text = ""
-        self.num_calls = 0
+        self.ids: dict[int, str] = {}  # calls begun: index -> id
+        self.scanner = CallScanner() if tools.mode == "required" else None  # the grammar's array
         self.parser = StreamingToolParser(tools.parser) if tools.parser is not None else None
 
     def feed(self, delta: str, final: bool) -> tuple[str | None, list[dict] | None]:
-        if self.tools.mode in ("named", "required"):  # the grammar's JSON: passed on once complete
+        if self.tools.mode == "named":  # the grammar's JSON is the arguments, from the first token
+            head = [] if self.ids else [CallDelta(0, "", self.tools.named["name"])]
+            return None, self._entries(head + [CallDelta(0, delta)])
+        if self.scanner is not None:
             self.text += delta
-            if not final:
-                return None, None
-            _, calls = self.tools.answer(self.text)
-            return None, self._entries(calls or [])
+            return None, self._entries(self.scanner.feed(self.text))
         if self.parser is None:
             return delta, None
-        content, calls = self.parser.feed(delta, final)
-        return content or None, self._entries([_tool_call(c) for c in calls]) or None
+        content, pieces = self.parser.feed(delta, final)
+        return content or None, self._entries(pieces)
 
-    def _entries(self, calls: list[dict]) -> list[dict]:
-        out = []
-        for call in calls:
-            out.append({"index": self.num_calls, **call})
-            self.num_calls += 1
-        return out
+    def _entries(self, pieces: list[CallDelta]) -> list[dict] | None:
+        """OpenAI's delta entries; pieces of one call in a row are joined into one entry."""
+        out: list[dict] = []
+        for p in pieces:
+            if out and out[-1]["index"] == p.index:
+                out[-1]["function"]["arguments"] += p.arguments
+            elif p.name is not None:
+                self.ids[p.index] = f"chatcmpl-tool-{uuid.uuid4().hex}"
+                out.append({"index": p.index, "id": self.ids[p.index], "type": "function",
+                            "function": {"name": p.name, "arguments": p.arguments}})
+            elif p.arguments:
+                out.append({"index": p.index, "function": {"arguments": p.arguments}})
+        return out or None
 
     @property
     def called(self) -> bool:
-        return self.num_calls > 0
+        return bool(self.ids)
 
 
 def _function(tool, index: int) -> dict:

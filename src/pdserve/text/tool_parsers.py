@@ -3,8 +3,9 @@
 `;`) and mistral (`[TOOL_CALLS][{...}, ...]`).
 
 Server process. Pure functions of the text: `parse` reads a whole answer; `StreamingToolParser`
-reads deltas, passing on content until a call may start and each call once it is complete. A
-call that does not parse stays content, as vLLM leaves it.
+reads deltas, passing on content until a call may start, then each call's name and its arguments
+in pieces as they are written (text/tool_stream.py). A call that does not parse, of which nothing
+was passed on, stays content, as vLLM leaves it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+
+from pdserve.text.tool_stream import CallDelta, CallScanner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +61,7 @@ def json_calls(text: str) -> list[ToolCall] | None:
 
 
 class Hermes:
-    start, end = "<tool_call>", "</tool_call>"
+    start = "<tool_call>"
     _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 
     def parse(self, text: str) -> Parsed:
@@ -75,7 +78,7 @@ class Hermes:
 
 
 class Llama3Json:
-    start, end = "{", None
+    start = "{"  # a call is the whole answer: it starts at its first character
     _tag = "<|python_tag|>"
 
     def parse(self, text: str) -> Parsed:
@@ -87,7 +90,7 @@ class Llama3Json:
 
 
 class Mistral:
-    start, end = "[TOOL_CALLS]", None
+    start = "[TOOL_CALLS]"
 
     def parse(self, text: str) -> Parsed:
         if self.start not in text:
@@ -107,40 +110,38 @@ def get_parser(name: str):
 
 
 class StreamingToolParser:
-    """Deltas in, (content delta, calls completed since the last feed) out. Text that may be the
-    start of a call is held back; a call is passed on when its block closes or the answer ends."""
+    """Deltas in, (content delta, call pieces) out. Text that may be the start of a call is held
+    back; once a call starts, its name is passed on when known and its arguments as they arrive.
+    At the end the whole answer is parsed: calls the pieces missed are passed on whole, and text
+    that held no call after all is passed on as content."""
 
     def __init__(self, parser):
         self.parser = parser
         self.text = ""
         self.num_content_chars = 0  # content passed on so far
-        self.num_calls = 0
-        self.in_calls = False
+        self.scanner: CallScanner | None = None  # once a call may have started
 
-    def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[CallDelta]]:
         self.text += delta
-        start = self.parser.start
-        if not self.in_calls:
+        out = ""
+        if self.scanner is None:
             at = self._call_start()
             if at is None:
-                keep = 0 if final else _partial_suffix(self.text, start)
+                keep = 0 if final else _partial_suffix(self.text, self.parser.start)
                 return self._content(len(self.text) - keep), []
-            self.in_calls = True
             out = self._content(at)
-        else:
-            out = ""
-        closed = self.text if final else self._closed()
-        if closed is None:
-            return out, []
-        parsed = self.parser.parse(closed)
-        if not parsed.calls:
-            if final:  # not a call after all: it was content
-                self.in_calls = False
-                return out + self._content(len(self.text)), []
-            return out, []
-        new = parsed.calls[self.num_calls:]
-        self.num_calls = len(parsed.calls)
-        return out, new
+            marker = 0 if isinstance(self.parser, Llama3Json) else len(self.parser.start)
+            self.scanner = CallScanner(at + marker)
+        pieces = self.scanner.feed(self.text)
+        if not final:
+            return out, pieces
+        streamed = self.scanner.num_calls
+        calls = self.parser.parse(self.text).calls
+        if not calls and not streamed:  # not a call after all: it was content
+            return out + self._content(len(self.text)), []
+        for index, call in enumerate(calls[streamed:], streamed):
+            pieces += [CallDelta(index, "", call.name), CallDelta(index, call.arguments)]
+        return out, pieces
 
     def _call_start(self) -> int | None:
         start = self.parser.start
@@ -151,13 +152,6 @@ class StreamingToolParser:
             return len(self.text) - len(stripped) if stripped[0] in "{[<" else None
         at = self.text.find(start)
         return None if at < 0 else at
-
-    def _closed(self) -> str | None:
-        """The text up to the last complete call, where the format closes calls (hermes)."""
-        end = self.parser.end
-        if end is None or end not in self.text:
-            return None
-        return self.text[:self.text.rindex(end) + len(end)]
 
     def _content(self, upto: int) -> str:
         out = self.text[self.num_content_chars:upto]
