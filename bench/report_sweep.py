@@ -63,3 +63,20 @@ def sweep_fewer_bytes(fast, base) -> list[str]:
                          f"{x['p99_itl_ms']:.0f} [{b['request_goodput']:.2f}]" if b else "")
         out.append(f"| {t} | " + " | ".join(cells) + " |")
     return out
+
+
+def sweep_smollm2(r) -> list[str]:
+    """The sweep's command on a real checkpoint (SmolLM2's Q4_1 GGUF as int4, bfloat16 KV)."""
+    out = ["**The sweep on SmolLM2-135M-Instruct** (its GGUF's Q4_1 weights kept as int4, `--kv-cache-dtype "
+           f"bfloat16`, the same targets and SLOs, {r['workload']['num_prompts']} prompts per rate, "
+           "`bench/results/sweep_smollm2_int4_bf16kv`). Goodput req/s (share), TTFT p50 / p99 ms, ITL p99 ms:",
+           "", "| target | " + " | ".join(f"{x:g} req/s" for x in r["rates"]) + " |",
+           "|---" * (len(r["rates"]) + 1) + "|"]
+    for t in r["targets"]:
+        cells = []
+        for rate in r["rates"]:
+            x = next(x for x in r["runs"] if x["target"] == t and x["request_rate"] == rate)
+            cells.append(f"{x['request_goodput']:.2f} ({x['goodput_fraction']:.0%}), {x['median_ttft_ms']:.0f} / "
+                         f"{x['p99_ttft_ms']:.0f}, {x['p99_itl_ms']:.0f}")
+        out.append(f"| {t} | " + " | ".join(cells) + " |")
+    return out

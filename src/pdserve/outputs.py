@@ -29,6 +29,10 @@ class RequestOutput:
     kv_transfer_params: dict | None = None
     error: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, if asked
+    # time.monotonic() of the engine's thread (the server's clock): when the request arrived in the
+    # engine, and when it first ran (None until then)
+    arrival_time: float | None = None
+    scheduled_time: float | None = None
 
 
 @dataclasses.dataclass

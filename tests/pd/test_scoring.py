@@ -115,6 +115,28 @@ def test_chat_prompt_logprobs(pd, where):
     assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in entries[1:])
 
 
+@pytest.mark.parametrize("where", ["single", "pd"])
+def test_truncate_prompt_tokens_keeps_the_last_tokens(pd, where):
+    """vLLM's truncate_prompt_tokens: the answer is the one to the prompt's last k tokens, whose
+    count usage reports; through P/D the proxy routes by the same cut. Bad values are 400s naming it."""
+    url, prompt = _targets(pd, where), ids(60, seed=77)
+    base = {"max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    want = _post(url, "/v1/completions", {**base, "prompt": prompt[-20:]})
+    got = _post(url, "/v1/completions", {**base, "prompt": prompt, "truncate_prompt_tokens": 20})
+    assert got["usage"]["prompt_tokens"] == 20 and got["choices"][0]["prompt_token_ids"] == prompt[-20:]
+    assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+    whole = _post(url, "/v1/completions", {**base, "prompt": prompt, "truncate_prompt_tokens": -1})
+    assert whole["usage"]["prompt_tokens"] == len(prompt)  # shorter than the context: kept whole
+    chat = {**base, "messages": [{"role": "user", "content": "a long question " * 20}]}
+    full = _post(url, "/v1/chat/completions", chat)["usage"]["prompt_tokens"]
+    cut = _post(url, "/v1/chat/completions", {**chat, "truncate_prompt_tokens": 9})
+    assert full > 9 and cut["usage"]["prompt_tokens"] == 9
+    for bad in (0, -2, "8", 10 ** 6):
+        r = httpx.post(url + "/v1/completions", json={**base, "prompt": prompt, "truncate_prompt_tokens": bad},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", (bad, r.text)
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_prompt_logprobs_in_a_stream_are_a_400_and_hold_nothing(pd, path):
     """vLLM refuses them in a stream; through P/D the refusal comes before any KV is held."""

@@ -89,7 +89,10 @@ VLLM_SAMPLES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:
                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
                 "vllm:time_per_output_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
-                "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"]
+                "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                *(f"vllm:request_{phase}_time_seconds_count" for phase in ("queue", "prefill", "decode", "inference")),
+                "vllm:request_prompt_tokens_sum", "vllm:request_generation_tokens_sum",
+                "vllm:request_params_n_sum", "vllm:request_params_max_tokens_sum"]
 
 
 def vllm_samples(http, url: str) -> dict[str, float]:
@@ -121,6 +124,14 @@ def test_vllm_metric_names_and_labels_move_with_a_request(http, dep):
     assert after["vllm:inter_token_latency_seconds_count"] > before["vllm:inter_token_latency_seconds_count"]
     assert after["vllm:time_per_output_token_seconds_count"] == after["vllm:inter_token_latency_seconds_count"]
     assert 0 <= after["vllm:kv_cache_usage_perc"] <= 1 and after["vllm:num_requests_running"] == 0
+    grew = {name: after[name] - before[name] for name in after if name.startswith("vllm:request_")}
+    assert (grew["vllm:request_prompt_tokens_sum"], grew["vllm:request_generation_tokens_sum"],
+            grew["vllm:request_params_n_sum"], grew["vllm:request_params_max_tokens_sum"]) == (len(prompt), 8, 1, 8)
+    phase = {p: grew[f"vllm:request_{p}_time_seconds_sum"] for p in ("queue", "prefill", "decode", "inference")}
+    assert all(grew[f"vllm:request_{p}_time_seconds_count"] == 1 for p in phase), grew
+    assert phase["decode"] > 0 and phase["inference"] == pytest.approx(phase["prefill"] + phase["decode"], abs=1e-6)
+    e2e = after["vllm:e2e_request_latency_seconds_sum"] - before["vllm:e2e_request_latency_seconds_sum"]
+    assert phase["queue"] + phase["inference"] <= e2e + 0.05  # e2e counts from the server's start, a hair later
 
 
 # --- 3. /version, /ping, /tokenize, /detokenize ---------------------------------------------------------

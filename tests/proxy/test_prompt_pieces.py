@@ -87,3 +87,14 @@ def test_chats_with_tools_render_as_the_instances_do(tiny_model):
         assert got == chat_prompt_ids(tok, text), choice
         seen.add(tuple(got))
     assert len(seen) == 2  # with the tools, and without them ("none")
+
+
+def test_truncate_prompt_tokens_cuts_the_proxys_ids_as_the_instances_cut_theirs(tiny_model):
+    prompts = PromptTokens(tiny_model)
+    chat = {"messages": [{"role": "user", "content": "a long question " * 10}]}
+    whole = prompts.ids(chat, "/v1/chat/completions")
+    assert prompts.ids({**chat, "truncate_prompt_tokens": 7}, "/v1/chat/completions") == whole[-7:]
+    assert prompts.ids({"prompt": list(range(5, 30)), "truncate_prompt_tokens": 4}, "/v1/completions") == \
+        list(range(26, 30))
+    for uncut in (-1, None, "4", True):  # -1: the context's length, unknown here; the rest are the instance's 400
+        assert prompts.ids({**chat, "truncate_prompt_tokens": uncut}, "/v1/chat/completions") == whole

@@ -48,7 +48,7 @@ def test_out_of_range_controls_name_the_field(body, field):
 
 
 REFUSED = [("use_beam_search", True), ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
-           ("truncate_prompt_tokens", 8), ("priority", 1), ("logits_processors", ["m.P"]),
+           ("priority", 1), ("logits_processors", ["m.P"]),
            ("return_tokens_as_token_ids", True), ("vllm_xargs", {"a": 1}), ("mm_processor_kwargs", {"a": 1}),
            ("store", True), ("service_tier", "flex")]
 COMPLETION_ONLY = [("best_of", 3), ("prompt_embeds", "AAAA"), ("add_special_tokens", False)]

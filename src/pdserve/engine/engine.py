@@ -210,7 +210,9 @@ class Engine:
         self._finish(request, status)
         self._pending.append(RequestOutput(request.request_id, [], "", None, finished=True,
                                            finish_reason=status.value, error=error,
-                                           num_prompt_tokens=request.num_prompt_tokens))
+                                           num_prompt_tokens=request.num_prompt_tokens,
+                                           arrival_time=request.arrival_time,
+                                           scheduled_time=request.scheduled_time))
 
     def _finish(self, request: Request, status: RequestStatus) -> dict | None:
         """Every request ends here. A P/D producer's hand-off keeps the prompt's blocks under a

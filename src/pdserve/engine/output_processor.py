@@ -76,7 +76,8 @@ class OutputProcessor:
         return RequestOutput(
             request_id=request.request_id, new_token_ids=token_ids, new_text=text,
             new_logprobs=logprobs, finished=finished,
-            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=_cached_tokens(request))
+            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=_cached_tokens(request),
+            arrival_time=request.arrival_time, scheduled_time=request.scheduled_time)
 
 
 def _cached_tokens(request: Request) -> int:

@@ -69,6 +69,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # content hashes of its full blocks so far (block_pool)
         self.num_registered_blocks = 0  # of its blocks, how many the prefix cache has considered
         self.arrival_time = time.monotonic()
+        self.scheduled_time: float | None = None  # when it first ran (vLLM's queue time ends there)
         self.sent_to_workers = False  # the sampler on rank 0 knows this request
         self.pull_tried = False  # a producer request asked holders for its uncached blocks once
         self.transfer = TransferState.initial(kv_transfer)
@@ -98,6 +99,8 @@ class Request:
     def move_to(self, status: RequestStatus) -> None:
         if status not in _TRANSITIONS.get(self.status, ()):
             raise AssertionError(f"request {self.request_id}: illegal {self.status} -> {status}")
+        if status == RequestStatus.RUNNING and self.scheduled_time is None:
+            self.scheduled_time = time.monotonic()
         self.status = status
 
     def move_transfer_to(self, state: TransferState) -> None:

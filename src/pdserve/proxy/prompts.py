@@ -23,11 +23,16 @@ class PromptTokens:
 
     def ids(self, body: dict, path: str) -> list[int] | None:
         try:
-            if path.endswith("/chat/completions"):
-                return self._chat(body)
-            return self._completion(body.get("prompt"))
+            ids = self._chat(body) if path.endswith("/chat/completions") else self._completion(body.get("prompt"))
         except Exception:  # noqa: BLE001 - a malformed request or template is the instance's to refuse
             return None
+        # vLLM's truncate_prompt_tokens, cut as the instances cut it (server/serving.py). -1 (the
+        # context's length, which the proxy does not know) is left uncut: only a prompt longer than
+        # the context differs, routed by more blocks than it keeps (the count check counts it).
+        k = body.get("truncate_prompt_tokens")
+        if ids is not None and isinstance(k, int) and not isinstance(k, bool) and k >= 1:
+            return ids[-k:]
+        return ids
 
     def _completion(self, prompt) -> list[int] | None:
         if isinstance(prompt, str):

@@ -50,11 +50,11 @@ class _Request(BaseModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None  # the prefix cache matches by content, whatever the key
     metadata: dict[str, Any] | None = None
+    truncate_prompt_tokens: Any = None  # vLLM's: keep the prompt's last k tokens (-1: the context's length)
     # not implemented: accepted only at the values in NEUTRAL
     use_beam_search: Any = False
     length_penalty: Any = 1.0
     spaces_between_special_tokens: Any = True
-    truncate_prompt_tokens: Any = None
     priority: Any = 0
     logits_processors: Any = None
     return_tokens_as_token_ids: Any = None
@@ -65,7 +65,7 @@ class _Request(BaseModel):
 
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         "use_beam_search": (False,), "length_penalty": (1.0,), "spaces_between_special_tokens": (True,),
-        "truncate_prompt_tokens": (None,), "priority": (0,), "logits_processors": (None, []),
+        "priority": (0,), "logits_processors": (None, []),
         "return_tokens_as_token_ids": (None, False), "vllm_xargs": (None, {}), "mm_processor_kwargs": (None, {}),
         "store": (None, False), "service_tier": (None, "auto", "default")}
     # structured outputs (server/structured.py): at most one of these

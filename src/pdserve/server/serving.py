@@ -91,6 +91,19 @@ class BaseServing:
         self.check_length(text, field)
         return text_prompt_ids(self.tokenizer, text)
 
+    def truncated(self, req, ids: list[int]) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: as many as the context
+        holds); the proxy cuts its copy the same way (proxy/prompts.py)."""
+        k, limit = req.truncate_prompt_tokens, self.engine.engine.max_model_len
+        if k is None:
+            return ids
+        if isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1):
+            raise InvalidRequestError("truncate_prompt_tokens", f"must be a positive integer or -1, got {k!r}")
+        if k > limit:
+            raise InvalidRequestError("truncate_prompt_tokens", f"is {k}, more than the context of {limit} "
+                                                                "tokens")
+        return ids[-(limit if k == -1 else k):]
+
     # --- request -> sampling params ----------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
@@ -189,6 +202,8 @@ class BaseServing:
         logger.debug("request %s: engine requests %s-0..%d", request_id, suffix, len(choices) - 1)
         self.metrics.prompt_tokens.labels(self.model_name).inc(
             sum(len(p) for p in prompts) * params.n)
+        for _ in prompts:  # once per prompt, its n samples together
+            self.metrics.vllm.request_started(params.n, params.max_tokens)
         return choices, streams
 
     async def merged(self, choices: list[Choice], streams: list) -> AsyncIterator[tuple[Choice, RequestOutput]]:
@@ -196,6 +211,7 @@ class BaseServing:
         queue: asyncio.Queue = asyncio.Queue()
         start = time.monotonic()
         last_token_at: dict[int, float] = {}
+        first_token_at: dict[int, float] = {}
 
         async def pump(choice: Choice, stream):
             try:
@@ -211,7 +227,7 @@ class BaseServing:
                 choice, out = await queue.get()
                 if isinstance(out, BaseException):
                     raise APIError(500, str(out), "InternalServerError")
-                self._observe(choice, out, start, last_token_at)
+                self._observe(choice, out, start, last_token_at, first_token_at)
                 choice.add(out)
                 if out.finished:
                     remaining -= 1
@@ -223,18 +239,21 @@ class BaseServing:
                 if not c.finished:
                     self.engine.abort(c.engine_id)
 
-    def _observe(self, choice: Choice, out: RequestOutput, start: float, last: dict) -> None:
+    def _observe(self, choice: Choice, out: RequestOutput, start: float, last: dict, first: dict) -> None:
         now, m = time.monotonic(), self.model_name
         if out.new_token_ids:
             self.metrics.generation_tokens.labels(m).inc(len(out.new_token_ids))
             prev = last.get(choice.index)
             if prev is None:
+                first[choice.index] = now
                 self.metrics.ttft.labels(m).observe(now - start)
             else:
                 self.metrics.itl.labels(m).observe((now - prev) / len(out.new_token_ids))
             last[choice.index] = now
         if out.finished:
             self.metrics.e2e.labels(m).observe(now - start)
+            self.metrics.vllm.request_finished(out.num_prompt_tokens, len(choice.token_ids) + len(out.new_token_ids),
+                                               out.arrival_time, out.scheduled_time, first.get(choice.index), now)
             self.metrics.requests.labels(m, out.finish_reason or "unknown").inc()
 
     async def collect(self, raw_request, choices: list[Choice], streams: list) -> None:

@@ -64,6 +64,7 @@ class ChatServing(BaseServing):
             raise InvalidRequestError("top_logprobs", "requires logprobs to be true")
         tools = ToolRequest(req, self.tool_policy)
         prompt = await asyncio.to_thread(self.prompt, req, tools.template_tools)  # never blocks the loop
+        prompt = self.truncated(req, prompt)
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, max_tokens, num_logprobs)

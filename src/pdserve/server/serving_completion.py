@@ -42,6 +42,7 @@ class CompletionServing(BaseServing):
         if req.max_tokens is not None and req.max_tokens < 0:
             raise InvalidRequestError("max_tokens", f"must be at least 0, got {req.max_tokens}")
         prompts = await asyncio.to_thread(self.prompts, req)  # tokenizing never blocks the event loop
+        prompts = [self.truncated(req, p) for p in prompts]
         score = req.prompt_logprobs
         if score is None and req.echo and req.logprobs is not None:
             score = req.logprobs

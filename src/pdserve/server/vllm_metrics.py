@@ -19,6 +19,15 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM's 1-2-5 series for counts (it stops at the model's context length; one series for all here)
+_COUNT_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))
+_N_BUCKETS = (1, 2, 5, 10, 20)
+# the phases of a finished request, vLLM's names: (histogram, help)
+_PHASES = (("queue", "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."),
+           ("prefill", "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."),
+           ("decode", "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."),
+           ("inference", "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request."))
 
 
 class VLLMMetrics:
@@ -53,9 +62,23 @@ class VLLMMetrics:
                                    "tokens.", LABELS, registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                                    LABELS, registry=r)
+        self.phases = {key: Histogram(name, doc, LABELS, buckets=_REQUEST_BUCKETS, registry=r)
+                       for key, name, doc in _PHASES}
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                               LABELS, buckets=_COUNT_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", LABELS,
+                                                   buckets=_COUNT_BUCKETS, registry=r)
+        self.request_n = Histogram("vllm:request_params_n", "Histogram of the n request parameter.", LABELS,
+                                   buckets=_N_BUCKETS, registry=r)
+        self.request_max_tokens = Histogram("vllm:request_params_max_tokens",
+                                            "Histogram of the max_tokens request parameter.", LABELS,
+                                            buckets=_COUNT_BUCKETS, registry=r)
         self._seen = {"num_prefix_cache_queries": 0, "num_prefix_cache_hits": 0, "num_preemptions": 0}
         for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
-                       self.ttft, *self.itl, self.e2e, self.prefix_queries, self.prefix_hits, self.preemptions):
+                       self.ttft, *self.itl, self.e2e, self.prefix_queries, self.prefix_hits, self.preemptions,
+                       *self.phases.values(), self.request_prompt_tokens, self.request_generation_tokens,
+                       self.request_n, self.request_max_tokens):
             metric.labels(model_name, ENGINE)  # exported from the start, at zero, as vLLM does
         for reason in ("stop", "length", "abort"):
             self.requests.labels(model_name, ENGINE, reason)
@@ -70,6 +93,28 @@ class VLLMMetrics:
                              ("num_prefix_cache_hits", self.prefix_hits), ("num_preemptions", self.preemptions)):
             counter.labels(m, ENGINE).inc(max(0, stats[key] - self._seen[key]))
             self._seen[key] = stats[key]
+
+
+    def request_started(self, n: int, max_tokens: int | None) -> None:
+        self.request_n.labels(self.model, ENGINE).observe(n)
+        if max_tokens is not None:
+            self.request_max_tokens.labels(self.model, ENGINE).observe(max_tokens)
+
+    def request_finished(self, num_prompt_tokens: int, num_generated: int, arrival: float | None,
+                         scheduled: float | None, first_token: float | None, now: float) -> None:
+        """vLLM's per-request histograms, from one engine request's times on the server's monotonic
+        clock: queue (arrival to first run), prefill (first run to first token), decode (first token
+        to the end), inference (first run to the end). A request that never ran has no phases."""
+        m = self.model
+        self.request_prompt_tokens.labels(m, ENGINE).observe(num_prompt_tokens)
+        self.request_generation_tokens.labels(m, ENGINE).observe(num_generated)
+        if arrival is None or scheduled is None:
+            return
+        phases = {"queue": scheduled - arrival, "inference": now - scheduled}
+        if first_token is not None:
+            phases.update(prefill=first_token - scheduled, decode=now - first_token)
+        for key, seconds in phases.items():
+            self.phases[key].labels(m, ENGINE).observe(max(0.0, seconds))
 
 
 class Twin:
