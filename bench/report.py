@@ -190,6 +190,16 @@ def main() -> int:
                   f"{max(lm_none['pd_vs_transformers_per_item']):.1e} nat with `--quantization none` (target "
                   f"{lm_none['target_max_abs_diff']:.0e}) and {max(lm['pd_vs_transformers_per_item']):.2f} with the "
                   "file's int4 weights and int8 activations (transformers dequantizes to float32).", ""]
+    st = load("structured")
+    if st:
+        t, s = st["tiny"], st["smollm2"]
+        lines += [f"**Structured outputs** (`bench/structured.py`, {st['library']}, batch {s['batch']}, every request "
+                  f"under a JSON schema, one thread): a SmolLM2 decode step {s['step_ms_free']:.2f} -> "
+                  f"{s['step_ms_json_schema']:.2f} ms (+{s['overhead_pct']:.1f} %; target at most "
+                  f"+{st['target_overhead_pct']} %); on the generated tiny model, whose step is "
+                  f"{t['step_ms_free']:.2f} ms, the same mask is +{t['overhead_pct']:.0f} % "
+                  f"({t['step_ms_json_schema'] - t['step_ms_free']:.2f} ms). The library was picked by "
+                  "`bench/grammar_libs.py` (docs/design.md, \"Structured outputs and tools\").", ""]
     vs = load("vllm_serving")
     if vs:
         prompts = vs["workload"][vs["workload"].index("--num-prompts") + 1]
