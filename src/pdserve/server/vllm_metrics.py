@@ -22,7 +22,7 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 # vLLM's 1-2-5 series for counts (it stops at the model's context length; one series for all here)
 _COUNT_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))
 _N_BUCKETS = (1, 2, 5, 10, 20)
-# the phases of a finished request, vLLM's names: (histogram, help)
+# the phases of a finished request: (key, vLLM's name, vLLM's help)
 _PHASES = (("queue", "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."),
            ("prefill", "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."),
            ("decode", "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."),
@@ -93,7 +93,6 @@ class VLLMMetrics:
                              ("num_prefix_cache_hits", self.prefix_hits), ("num_preemptions", self.preemptions)):
             counter.labels(m, ENGINE).inc(max(0, stats[key] - self._seen[key]))
             self._seen[key] = stats[key]
-
 
     def request_started(self, n: int, max_tokens: int | None) -> None:
         self.request_n.labels(self.model, ENGINE).observe(n)
