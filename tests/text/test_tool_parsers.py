@@ -93,3 +93,14 @@ def test_a_call_that_does_not_parse_stays_content():
 def test_unknown_parser():
     with pytest.raises(ValueError, match="hermes"):
         get_parser("nope")
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_hermes_calls_are_read_only_inside_their_blocks(piece):
+    """Found by review: JSON after a block is text, not a call; a block's end ends its call even when
+    the JSON in it never closed; and of `arguments` and `parameters`, the first given counts."""
+    text = ('<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>\n'
+            '<tool_call>{"name": "g", "arguments": {"b": 2}, "parameters": {"c": 33333}}</tool_call>'
+            ' I called {"name": "h", "arguments": {"x": 1}} ok')
+    _, calls = streamed(StreamingToolParser(get_parser("hermes")), text, piece)
+    assert [(n, a) for n, a, _ in calls.values()] == [("f", '{"a": 1'), ("g", '{"b": 2}')]

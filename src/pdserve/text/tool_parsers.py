@@ -62,6 +62,7 @@ def json_calls(text: str) -> list[ToolCall] | None:
 
 class Hermes:
     start = "<tool_call>"
+    block = (start, "</tool_call>")  # each call in a block of its own
     _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 
     def parse(self, text: str) -> Parsed:
@@ -131,7 +132,7 @@ class StreamingToolParser:
                 return self._content(len(self.text) - keep), []
             out = self._content(at)
             marker = 0 if isinstance(self.parser, Llama3Json) else len(self.parser.start)
-            self.scanner = CallScanner(at + marker)
+            self.scanner = CallScanner(at + marker, getattr(self.parser, "block", None))
         pieces = self.scanner.feed(self.text)
         if not final:
             return out, pieces

@@ -2,10 +2,13 @@
 pieces, as vLLM and OpenAI stream them.
 
 Server process, pure. `CallScanner` reads JSON call objects (`{"name": ..., "arguments": {...}}`,
-or `parameters`) alone, in lists, or joined by anything without brackets (hermes' tags, `;`),
-character by character, keeping its place between feeds. An object's arguments are passed on as
-they arrive, as the model wrote them; arguments written as a JSON string (some models do) are passed
-on once complete, decoded.
+or `parameters`: the first of the two given) alone, in lists, joined by `;`, or each in a block
+between markers (hermes' `<tool_call>` ... `</tool_call>`: text outside the blocks is never read as
+a call, and a block's end ends its call), character by character, keeping its place between feeds.
+An object's arguments are passed on as they arrive, as the model wrote them; arguments written as a
+JSON string (some models do) are passed on once complete, decoded. What is passed on stays passed
+on: a call that turns out malformed later (cut by max_tokens, text after it that the whole answer's
+parse rejects) keeps its pieces, as in vLLM's streams.
 """
 
 from __future__ import annotations
@@ -26,16 +29,34 @@ class CallDelta:
 
 
 class CallScanner:
-    """Feed the text of the calls so far (it only grows); get the pieces new since the last feed."""
+    """Feed the text of the calls so far (it only grows); get the pieces new since the last feed.
+    `block`: the (start, end) markers of a format that puts each call in a block; `start` is then
+    where the first block's content begins."""
 
-    def __init__(self, start: int = 0):
+    def __init__(self, start: int = 0, block: tuple[str, str] | None = None):
         self.pos = start  # next character to read
         self.num_calls = 0  # calls whose name was passed on
         self._call: _Call | None = None
+        self.block = block
+        self.in_block = True  # reading a block's content (always, without blocks)
 
     def feed(self, text: str) -> list[CallDelta]:
         out: list[CallDelta] = []
         while self.pos < len(text):
+            if self.block is not None:
+                marker = self.block[1] if self.in_block else self.block[0]
+                if text.startswith(marker, self.pos):  # a block begins, or ends (and its call with it)
+                    if self._call is not None:
+                        out += self._pieces(text, done=False)
+                        self._call = None
+                    self.pos += len(marker)
+                    self.in_block = not self.in_block
+                    continue
+                if len(text) - self.pos < len(marker) and marker.startswith(text[self.pos:]):
+                    break  # perhaps the marker: wait for the rest
+                if not self.in_block:
+                    self.pos += 1
+                    continue
             ch = text[self.pos]
             self.pos += 1
             if self._call is not None:
@@ -77,6 +98,7 @@ class _Call:
         self.args_start: int | None = None
         self.args_end: int | None = None
         self.args_raw = True  # an object or list: passed on as written; else once complete, decoded
+        self.reading_args = False  # the value being read is the arguments
         self.num_args_sent = 0  # characters of the arguments passed on
         self.index: int | None = None
 
@@ -100,8 +122,8 @@ class _Call:
                 self.phase, self.token_start = "value", None
             elif self.phase == "value" and self.token_start is None and not ch.isspace() and ch not in ",}":
                 self.token_start = pos
-                if self.key in ARGUMENT_KEYS:
-                    self.args_start, self.args_raw = pos, ch in "{["
+                if self.key in ARGUMENT_KEYS and self.args_start is None:  # the first given
+                    self.args_start, self.args_raw, self.reading_args = pos, ch in "{[", True
             elif ch in ",}":
                 self._value_ends(text, pos)
         if ch == '"':
@@ -110,7 +132,7 @@ class _Call:
             self.depth += 1
         elif ch in "}]":
             self.depth -= 1
-            if self.depth == 1 and self.phase == "value" and self.key in ARGUMENT_KEYS:
+            if self.depth == 1 and self.reading_args:
                 self.args_end = pos + 1
         return self.depth == 0
 
@@ -121,9 +143,9 @@ class _Call:
             if self.key == "name":
                 name = _loads(value)
                 self.name = name if isinstance(name, str) else None
-            elif self.key in ARGUMENT_KEYS and self.args_end is None:
+            elif self.reading_args and self.args_end is None:
                 self.args_end = self.token_start + len(value)
-        self.phase, self.key, self.token_start = "key", None, None
+        self.phase, self.key, self.token_start, self.reading_args = "key", None, None, False
 
     def arguments(self, text: str, pos: int, done: bool) -> str:
         """The arguments' characters not yet passed on, of those read before pos."""
