@@ -108,6 +108,20 @@ static inline v16 load_fp8(const uint8_t *p) {
                                          _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
     return (v16)_mm512_cvtph_ps(bits);
 }
+#elif defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+/* AVX2 CPUs convert halves with F16C, 8 lanes per instruction (the generic conversion below goes
+ * lane by lane: 2.4x slower than float32 KV on such a CPU) */
+static inline v16 load_fp8(const uint8_t *p) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+                                         _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+    const __m256 halves[2] = {_mm256_cvtph_ps(_mm256_castsi256_si128(bits)),
+                              _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1))};
+    v16 f;
+    memcpy(&f, halves, sizeof f);
+    return f;
+}
 #else
 static inline v16 load_fp8(const uint8_t *p) {
     u8x16 b;
