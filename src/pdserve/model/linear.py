@@ -138,7 +138,7 @@ class Int8Linear:
 @functools.lru_cache(maxsize=1)
 def _int4_lib() -> ctypes.CDLL | None:
     """kernels/int4_linear.c, where this CPU has AVX512-VNNI (else None: torch's kernel)."""
-    lib = kernels.load("int4_linear")
+    lib = kernels.load("int4_linear", cpu_flags=("avx512_vnni", "avx512bw"))
     if lib is not None:
         p, i = ctypes.c_void_p, ctypes.c_int
         for fn in (lib.int4_linear, lib.int8_linear):

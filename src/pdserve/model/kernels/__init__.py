@@ -34,11 +34,18 @@ def _cpu_tag() -> str:
     return f"{platform.machine()}|{model}|{flags}"
 
 
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled library for kernels/<name>.c, or None when it cannot be built here."""
+def load(name: str, cpu_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled library for kernels/<name>.c, or None when it cannot be built here.
+    `cpu_flags`: what the source needs (/proc/cpuinfo's names); a CPU without them skips the build."""
     if name in _loaded:
         return _loaded[name]
     lib = None
+    missing = [f for f in cpu_flags if f not in _cpu_tag().rsplit("|", 1)[-1].split()]
+    if missing:
+        logger.info("native kernel %s not built: this CPU lacks %s; using the PyTorch path", name,
+                    ", ".join(missing))
+        _loaded[name] = None
+        return None
     source = Path(__file__).with_name(f"{name}.c")
     compiler = shutil.which("cc") or shutil.which("gcc")
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
