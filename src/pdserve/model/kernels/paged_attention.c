@@ -29,6 +29,35 @@
 
 /* The four levels of a 16 x 16 transpose-and-add: each pairs two vectors and halves the number of
  * partial sums per token, keeping tokens in order. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+/* On 8-lane units GCC lowers these 16-lane shuffles lane by lane (a load and an insert per
+ * element); the same sums from each v16's two halves: fold8 adds the halves, fold4 pairs their
+ * 128-bit quarters, fold2 and fold1 shuffle within quarters. */
+static inline void halves(v16 x, __m256 *lo, __m256 *hi) {
+    memcpy(lo, &x, sizeof *lo);
+    memcpy(hi, (const char *)&x + sizeof *lo, sizeof *hi);
+}
+static inline v16 joined(__m256 lo, __m256 hi) {
+    v16 x;
+    memcpy(&x, &lo, sizeof lo);
+    memcpy((char *)&x + sizeof lo, &hi, sizeof hi);
+    return x;
+}
+static inline __m256 fold_half(v16 x, int level) { /* level: 8, 4, 2 or 1, as the functions below */
+    __m256 lo, hi;
+    halves(x, &lo, &hi);
+    if (level == 8) return _mm256_add_ps(lo, hi);
+    const __m256 t0 = _mm256_permute2f128_ps(lo, hi, 0x20), t1 = _mm256_permute2f128_ps(lo, hi, 0x31);
+    if (level == 4) return _mm256_add_ps(t0, t1);
+    if (level == 2) return _mm256_add_ps(_mm256_shuffle_ps(t0, t1, 0x44), _mm256_shuffle_ps(t0, t1, 0xEE));
+    return _mm256_add_ps(_mm256_shuffle_ps(t0, t1, 0x88), _mm256_shuffle_ps(t0, t1, 0xDD));
+}
+static inline v16 fold8(v16 a, v16 b) { return joined(fold_half(a, 8), fold_half(b, 8)); }
+static inline v16 fold4(v16 a, v16 b) { return joined(fold_half(a, 4), fold_half(b, 4)); }
+static inline v16 fold2(v16 a, v16 b) { return joined(fold_half(a, 2), fold_half(b, 2)); }
+static inline v16 fold1(v16 a, v16 b) { return joined(fold_half(a, 1), fold_half(b, 1)); }
+#else
 static inline v16 fold8(v16 a, v16 b) {
     return SHUF2(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
          + SHUF2(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -45,6 +74,7 @@ static inline v16 fold1(v16 a, v16 b) {
     return SHUF2(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
          + SHUF2(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#endif
 
 /* The kernel once per stored KV type (paged_attention_kv.h). */
 #define KV_T float
