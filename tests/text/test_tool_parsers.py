@@ -104,3 +104,25 @@ def test_hermes_calls_are_read_only_inside_their_blocks(piece):
             ' I called {"name": "h", "arguments": {"x": 1}} ok')
     _, calls = streamed(StreamingToolParser(get_parser("hermes")), text, piece)
     assert [(n, a) for n, a, _ in calls.values()] == [("f", '{"a": 1'), ("g", '{"b": 2}')]
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+@pytest.mark.parametrize("text, content, calls", [
+    ('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "", [("f", {"a": 1})]),
+    ('  \n{"name": "f", "parameters": {"a": 1}}', "", [("f", {"a": 1})]),  # blanks before a call are nothing
+    ('pre <|python_tag|>{"name": "f", "parameters": {"a": 1}}', None, []),  # vLLM's: the tag only at the start
+    ("<b>bold</b> text", None, []),
+])
+def test_llama3_json_streamed_equals_whole(text, content, calls, piece):
+    whole = get_parser("llama3_json").parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == calls
+    got_content, got = streamed(StreamingToolParser(get_parser("llama3_json")), text, piece)
+    assert [(n, json.loads(a)) for n, a, _ in got.values()] == calls
+    assert got_content == (text if content is None else content) == (whole.content or "")
+
+
+def test_text_that_cannot_become_a_llama3_call_is_not_held_back():
+    stream = StreamingToolParser(get_parser("llama3_json"))
+    assert stream.feed("<b") == ("<b", [])  # not the tag's start: content at once
+    stream = StreamingToolParser(get_parser("llama3_json"))
+    assert stream.feed(" <|pyth") == ("", [])  # may still be the tag

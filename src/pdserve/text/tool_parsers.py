@@ -79,11 +79,12 @@ class Hermes:
 
 
 class Llama3Json:
-    start = "{"  # a call is the whole answer: it starts at its first character
-    _tag = "<|python_tag|>"
+    start = "{"  # a call is the whole answer: it starts at its first character, or after the tag
+    tag = "<|python_tag|>"
 
     def parse(self, text: str) -> Parsed:
-        body = text.split(self._tag, 1)[1] if self._tag in text else text
+        body = text.lstrip()
+        body = body[len(self.tag):] if body.startswith(self.tag) else body  # as vLLM's: only at the start
         if not body.lstrip().startswith(("{", "[")):
             return Parsed(text, [])
         calls = json_calls(body)
@@ -128,7 +129,7 @@ class StreamingToolParser:
         if self.scanner is None:
             at = self._call_start()
             if at is None:
-                keep = 0 if final else _partial_suffix(self.text, self.parser.start)
+                keep = 0 if final else self._undecided()
                 return self._content(len(self.text) - keep), []
             out = self._content(at)
             marker = 0 if isinstance(self.parser, Llama3Json) else len(self.parser.start)
@@ -145,14 +146,21 @@ class StreamingToolParser:
         return out, pieces
 
     def _call_start(self) -> int | None:
-        start = self.parser.start
-        if start == "{":  # llama3_json: a call is the whole answer
+        if isinstance(self.parser, Llama3Json):  # a call is the whole answer
             stripped = self.text.lstrip()
-            if not stripped:
-                return None
-            return len(self.text) - len(stripped) if stripped[0] in "{[<" else None
-        at = self.text.find(start)
+            if stripped[:1] in ("{", "[") or stripped.startswith(Llama3Json.tag):
+                self.num_content_chars = len(self.text) - len(stripped)  # its leading blanks are nothing
+                return self.num_content_chars
+            return None
+        at = self.text.find(self.parser.start)
         return None if at < 0 else at
+
+    def _undecided(self) -> int:
+        """How many characters at the end may still begin a call: held back until that is known."""
+        if isinstance(self.parser, Llama3Json):  # blanks, or the start of the tag, from the beginning
+            stripped = self.text.lstrip()
+            return len(self.text) if Llama3Json.tag.startswith(stripped) else 0
+        return _partial_suffix(self.text, self.parser.start)
 
     def _content(self, upto: int) -> str:
         out = self.text[self.num_content_chars:upto]
