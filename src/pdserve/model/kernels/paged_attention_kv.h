@@ -101,7 +101,7 @@ NAME(attend_vec)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const
                     v16 acc = {0};
                     if (i < valid)
                         for (int c = 0; c < chunks; c++) acc += qv[g][c] * kr[c];
-                    part[g][i] = acc * ks; /* unscaled types: times a constant 1, compiled away */
+                    part[g][i] = acc * splat(ks); /* unscaled types: times a constant 1, compiled away */
                 }
             }
             for (int g = 0; g < gn; g++) {
@@ -122,7 +122,7 @@ NAME(attend_vec)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const
             for (int i = 1; i < 16; i++) m = mv[i] > m ? mv[i] : m;
             v16 sums = {0};
             for (int grp = 0; grp < groups; grp++) {
-                const v16 e = vexp(loadv(s + 16 * grp) - m); /* padding: exp(-87), 1e-38 */
+                const v16 e = vexp(loadv(s + 16 * grp) - splat(m)); /* padding: exp(-87), 1e-38 */
                 storev(s + 16 * grp, e);
                 sums += e;
             }
@@ -138,7 +138,7 @@ NAME(attend_vec)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const
             const float vs = NAME_ROW_SCALE(v);
             NAME(cursor_next)(&v);
             for (int g = 0; g < gn; g++) {
-                const float p = sg[(size_t)g * stride + i] * vs;
+                const v16 p = splat(sg[(size_t)g * stride + i] * vs);
                 for (int c = 0; c < chunks; c++) acc[g][c] += p * vr[c];
             }
         }

@@ -17,7 +17,20 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 
 static inline v16 loadv(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void storev(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+/* On 8-lane units GCC builds `scalar * v16` by 16 scalar stores and a reload of the vector, which
+ * then waits on a failed store-to-load forward: the broadcast, written out. */
+static inline v16 splat(float x) {
+    const __m256 h = _mm256_set1_ps(x);
+    const __m256 both[2] = {h, h};
+    v16 v;
+    memcpy(&v, both, sizeof v);
+    return v;
+}
+#else
 static inline v16 splat(float x) { return (v16){0} + x; }
+#endif
 
 static inline v16 vselect(i16 mask, v16 a, v16 b) { /* mask ? a : b, lane by lane */
     i16 ai, bi;
