@@ -105,8 +105,8 @@ def kv_dtype_elsewhere(r) -> list[str]:
     spans = ", ".join(f"{name} {min(v):.2f}-{max(v):.2f}×" for name, v in ratios.items())
     return ["", f"On an {r.get('cpu', 'other')}-only CPU with `--quantization {r['quantization']}` "
                 f"(bench/results/kv_dtype_int8.json; float32 KV {base['1']['step_ms']} / {base['32']['step_ms']} ms "
-                f"at batch 1 / 32): {spans} float32's speed. There the kernel is bound by arithmetic on 8-lane "
-                "vectors, not by bytes; fp8 widens with F16C (0.41× before it did)."]
+                f"at batch 1 / 32): {spans} float32's speed. There the attention kernel is bound by register "
+                "spills on 8-lane vectors, not by bytes (~8 GB/s of a measured 19 GB/s single-thread read)."]
 
 
 def transfer(rows) -> list[str]:
