@@ -112,6 +112,7 @@ def test_hermes_calls_are_read_only_inside_their_blocks(piece):
     ('  \n{"name": "f", "parameters": {"a": 1}}', "", [("f", {"a": 1})]),  # blanks before a call are nothing
     ('pre <|python_tag|>{"name": "f", "parameters": {"a": 1}}', None, []),  # vLLM's: the tag only at the start
     ("<b>bold</b> text", None, []),
+    ('  {"not": "a call"}', None, []),  # its blanks too stay content
 ])
 def test_llama3_json_streamed_equals_whole(text, content, calls, piece):
     whole = get_parser("llama3_json").parse(text)

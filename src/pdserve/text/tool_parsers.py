@@ -131,7 +131,8 @@ class StreamingToolParser:
             if at is None:
                 keep = 0 if final else self._undecided()
                 return self._content(len(self.text) - keep), []
-            out = self._content(at)
+            # a llama3 call's leading blanks are nothing (content again if it is no call after all)
+            out = "" if isinstance(self.parser, Llama3Json) else self._content(at)
             marker = 0 if isinstance(self.parser, Llama3Json) else len(self.parser.start)
             self.scanner = CallScanner(at + marker, getattr(self.parser, "block", None))
         pieces = self.scanner.feed(self.text)
@@ -149,8 +150,7 @@ class StreamingToolParser:
         if isinstance(self.parser, Llama3Json):  # a call is the whole answer
             stripped = self.text.lstrip()
             if stripped[:1] in ("{", "[") or stripped.startswith(Llama3Json.tag):
-                self.num_content_chars = len(self.text) - len(stripped)  # its leading blanks are nothing
-                return self.num_content_chars
+                return len(self.text) - len(stripped)
             return None
         at = self.text.find(self.parser.start)
         return None if at < 0 else at
