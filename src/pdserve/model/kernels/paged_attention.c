@@ -30,20 +30,9 @@
 /* The four levels of a 16 x 16 transpose-and-add: each pairs two vectors and halves the number of
  * partial sums per token, keeping tokens in order. */
 #if defined(__AVX2__) && !defined(__AVX512F__)
-#include <immintrin.h>
 /* On 8-lane units GCC lowers these 16-lane shuffles lane by lane (a load and an insert per
- * element); the same sums from each v16's two halves: fold8 adds the halves, fold4 pairs their
- * 128-bit quarters, fold2 and fold1 shuffle within quarters. */
-static inline void halves(v16 x, __m256 *lo, __m256 *hi) {
-    memcpy(lo, &x, sizeof *lo);
-    memcpy(hi, (const char *)&x + sizeof *lo, sizeof *hi);
-}
-static inline v16 joined(__m256 lo, __m256 hi) {
-    v16 x;
-    memcpy(&x, &lo, sizeof lo);
-    memcpy((char *)&x + sizeof lo, &hi, sizeof hi);
-    return x;
-}
+ * element); the same sums from each v16's two halves (vec.h): fold8 adds the halves, fold4 pairs
+ * their 128-bit quarters, fold2 and fold1 shuffle within quarters. */
 static inline __m256 fold_half(v16 x, int level) { /* level: 8, 4, 2 or 1, as the functions below */
     __m256 lo, hi;
     halves(x, &lo, &hi);
@@ -129,29 +118,24 @@ static inline float bf16_float(uint16_t x) {
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef _Float16 h16x16 __attribute__((vector_size(32)));
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+#include <immintrin.h>
+/* GCC 12 converts a vector of _Float16 one lane at a time: the instructions, directly (on an
+ * AVX2 CPU the generic conversion below made fp8 KV 2.4x slower than float32). 16 codes -> the
+ * bits of 16 float16s. */
+static inline __m256i fp8_halfbits(const uint8_t *p) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+                           _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+}
 #if defined(__AVX512F__)
-#include <immintrin.h>
-/* GCC 12 converts a vector of _Float16 one lane at a time: the instruction, directly */
+static inline v16 load_fp8(const uint8_t *p) { return (v16)_mm512_cvtph_ps(fp8_halfbits(p)); }
+#else /* F16C: 8 lanes per instruction */
 static inline v16 load_fp8(const uint8_t *p) {
-    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    const __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
-                                         _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
-    return (v16)_mm512_cvtph_ps(bits);
+    const __m256i bits = fp8_halfbits(p);
+    return joined(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)));
 }
-#elif defined(__AVX2__) && defined(__F16C__)
-#include <immintrin.h>
-/* AVX2 CPUs convert halves with F16C, 8 lanes per instruction (the generic conversion below goes
- * lane by lane: 2.4x slower than float32 KV on such a CPU) */
-static inline v16 load_fp8(const uint8_t *p) {
-    const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    const __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
-                                         _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
-    const __m256 halves[2] = {_mm256_cvtph_ps(_mm256_castsi256_si128(bits)),
-                              _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1))};
-    v16 f;
-    memcpy(&f, halves, sizeof f);
-    return f;
-}
+#endif
 #else
 static inline v16 load_fp8(const uint8_t *p) {
     u8x16 b;

@@ -19,15 +19,20 @@ static inline v16 loadv(const float *p) { v16 v; memcpy(&v, p, sizeof v); return
 static inline void storev(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #include <immintrin.h>
-/* On 8-lane units GCC builds `scalar * v16` by 16 scalar stores and a reload of the vector, which
- * then waits on a failed store-to-load forward: the broadcast, written out. */
-static inline v16 splat(float x) {
-    const __m256 h = _mm256_set1_ps(x);
-    const __m256 both[2] = {h, h};
-    v16 v;
-    memcpy(&v, both, sizeof v);
-    return v;
+/* On 8-lane units a v16 is two 8-lane registers: code GCC lowers lane by lane is written out on them. */
+static inline void halves(v16 x, __m256 *lo, __m256 *hi) {
+    memcpy(lo, &x, sizeof *lo);
+    memcpy(hi, (const char *)&x + sizeof *lo, sizeof *hi);
 }
+static inline v16 joined(__m256 lo, __m256 hi) {
+    v16 x;
+    memcpy(&x, &lo, sizeof lo);
+    memcpy((char *)&x + sizeof lo, &hi, sizeof hi);
+    return x;
+}
+/* GCC builds `scalar * v16` by 16 scalar stores and a reload of the vector, which then waits on a
+ * failed store-to-load forward: the broadcast, written out. */
+static inline v16 splat(float x) { return joined(_mm256_set1_ps(x), _mm256_set1_ps(x)); }
 #else
 static inline v16 splat(float x) { return (v16){0} + x; }
 #endif
