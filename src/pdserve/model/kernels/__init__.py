@@ -24,14 +24,16 @@ _CACHE = Path(os.path.expanduser("~")) / ".cache" / "pdserve" / "kernels"
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
-def _cpu_tag() -> str:
+def _cpuinfo(field: str) -> str:
+    """The first /proc/cpuinfo line of `field` ("" where there is none)."""
     try:
-        info = Path("/proc/cpuinfo").read_text()
-        flags = next((l for l in info.splitlines() if l.startswith("flags")), "")
-        model = next((l for l in info.splitlines() if l.startswith("model name")), "")
+        return next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith(field)), "")
     except OSError:
-        flags = model = ""
-    return f"{platform.machine()}|{model}|{flags}"
+        return ""
+
+
+def _cpu_tag() -> str:
+    return f"{platform.machine()}|{_cpuinfo('model name')}|{_cpuinfo('flags')}"
 
 
 def load(name: str, cpu_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
@@ -40,7 +42,7 @@ def load(name: str, cpu_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     if name in _loaded:
         return _loaded[name]
     lib = None
-    missing = [f for f in cpu_flags if f not in _cpu_tag().rsplit("|", 1)[-1].split()]
+    missing = [f for f in cpu_flags if f not in _cpuinfo("flags").split()]
     if missing:
         logger.info("native kernel %s not built: this CPU lacks %s; using the PyTorch path", name,
                     ", ".join(missing))
