@@ -79,19 +79,20 @@ class ChatServing(BaseServing):
         await self.collect(raw_request, choices, streams)
         body = ChatCompletionResponse(
             id=response_id, model=self.model_name,
-            choices=[ChatChoice(index=c.index, message=_message(tools, c.text),
-                                logprobs=self._logprobs(c.logprobs) if req.logprobs else None,
-                                finish_reason=_finish_reason(tools, bool(tools.answer(c.text)[1]),
-                                                             c.finish_reason),
-                                stop_reason=c.stop_reason,
-                                token_ids=c.token_ids if req.return_token_ids else None)
-                     for c in choices],
+            choices=[self._choice(req, tools, c) for c in choices],
             usage=self.usage(choices, 1, req.n),
             kv_transfer_params=choices[0].kv_transfer_params if len(choices) == 1 else None,
             prompt_token_ids=prompt if req.return_token_ids else None,
             prompt_logprobs=self.prompt_logprobs(choices[0].prompt_logprobs)
             if req.prompt_logprobs is not None else None)
         return JSONResponse(body.model_dump())
+
+    def _choice(self, req: ChatCompletionRequest, tools: ToolRequest, c: Choice) -> ChatChoice:
+        message = _message(tools, c.text)  # the answer read once: its calls decide the finish reason too
+        return ChatChoice(index=c.index, message=message,
+                          logprobs=self._logprobs(c.logprobs) if req.logprobs else None,
+                          finish_reason=_finish_reason(tools, bool(message.tool_calls), c.finish_reason),
+                          stop_reason=c.stop_reason, token_ids=c.token_ids if req.return_token_ids else None)
 
     async def _stream(self, req: ChatCompletionRequest, response_id: str, choices: list[Choice],
                       streams, num_prompt_tokens: int, tools: ToolRequest):

@@ -131,10 +131,11 @@ class StreamingToolParser:
             if at is None:
                 keep = 0 if final else self._undecided()
                 return self._content(len(self.text) - keep), []
-            # a llama3 call's leading blanks are nothing (content again if it is no call after all)
-            out = "" if isinstance(self.parser, Llama3Json) else self._content(at)
-            marker = 0 if isinstance(self.parser, Llama3Json) else len(self.parser.start)
-            self.scanner = CallScanner(at + marker, getattr(self.parser, "block", None))
+            if isinstance(self.parser, Llama3Json):  # its leading blanks are nothing (content again if no call)
+                body = at
+            else:  # the content before the marker, and the calls after it
+                out, body = self._content(at), at + len(self.parser.start)
+            self.scanner = CallScanner(body, getattr(self.parser, "block", None))
         pieces = self.scanner.feed(self.text)
         if not final:
             return out, pieces
