@@ -106,7 +106,7 @@ def kv_dtype_elsewhere(r) -> list[str]:
     return ["", f"On an {r.get('cpu', 'other')}-only CPU with `--quantization {r['quantization']}` "
                 f"(bench/results/kv_dtype_int8.json; float32 KV {base['1']['step_ms']} / {base['32']['step_ms']} ms "
                 f"at batch 1 / 32): {spans} float32's speed. There the attention kernel is bound by register "
-                "spills on 8-lane vectors, not by bytes (~8 GB/s of a measured 19 GB/s single-thread read)."]
+                "spills on 8-lane vectors, not by the bytes it reads."]
 
 
 def transfer(rows) -> list[str]:

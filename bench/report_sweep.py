@@ -16,11 +16,16 @@ def sweep(r) -> list[str]:
             "![ITL CDF](bench/results/sweep/itl_cdf.png)"]
 
 
+def _runs(r) -> dict:
+    """A sweep's runs by (target, rate)."""
+    return {(x["target"], x["request_rate"]): x for x in r["runs"]}
+
+
 def sweep_targets(r) -> list[str]:
     """The issue's targets, rate by rate: each P/D arrangement's goodput over the best colocated
     one's, and conditional P/D's TTFT p50 over the fastest colocated one's with its ITL p99 over its
     own ITL p50 at the lowest rate (the nearest this sweep has to unloaded)."""
-    runs = {(x["target"], x["request_rate"]): x for x in r["runs"]}
+    runs = _runs(r)
     colocated = [t for t in r["targets"] if t.startswith("colocated")]
     pds = [t for t in r["targets"] if t.startswith("pd")]
     cond = "pd-conditional" if "pd-conditional" in r["targets"] else None
@@ -49,7 +54,7 @@ def sweep_targets(r) -> list[str]:
 def sweep_fewer_bytes(fast, base) -> list[str]:
     """The README sweep again with every instance's weights int8 and KV bfloat16: goodput (share)
     and TTFT p50 per target and rate, beside the float32 sweep's."""
-    runs = {(x["target"], x["request_rate"]): x for x in base["runs"]}
+    runs, fast_runs = _runs(base), _runs(fast)
     out = ["**The same sweep with fewer bytes** (`--quantization int8 --kv-cache-dtype bfloat16` on every "
            "instance of every target, `bench/results/sweep_int8_bf16kv`; both within 1 % of float32's "
            "perplexity, `bench/quality.py`). Goodput req/s (share), TTFT p50 ms, ITL p99 ms; in brackets the float32 "
@@ -58,7 +63,7 @@ def sweep_fewer_bytes(fast, base) -> list[str]:
     for t in fast["targets"]:
         cells = []
         for rate in fast["rates"]:
-            x, b = next(x for x in fast["runs"] if x["target"] == t and x["request_rate"] == rate), runs.get((t, rate))
+            x, b = fast_runs[(t, rate)], runs.get((t, rate))
             cells.append(f"{x['request_goodput']:.2f} ({x['goodput_fraction']:.0%}), {x['median_ttft_ms']:.0f}, "
                          f"{x['p99_itl_ms']:.0f} [{b['request_goodput']:.2f}]" if b else "")
         out.append(f"| {t} | " + " | ".join(cells) + " |")
@@ -72,10 +77,11 @@ def sweep_smollm2(r) -> list[str]:
            "`bench/results/sweep_smollm2_int4_bf16kv`). Goodput req/s (share), TTFT p50 / p99 ms, ITL p99 ms:",
            "", "| target | " + " | ".join(f"{x:g} req/s" for x in r["rates"]) + " |",
            "|---" * (len(r["rates"]) + 1) + "|"]
+    runs = _runs(r)
     for t in r["targets"]:
         cells = []
         for rate in r["rates"]:
-            x = next(x for x in r["runs"] if x["target"] == t and x["request_rate"] == rate)
+            x = runs[(t, rate)]
             cells.append(f"{x['request_goodput']:.2f} ({x['goodput_fraction']:.0%}), {x['median_ttft_ms']:.0f} / "
                          f"{x['p99_ttft_ms']:.0f}, {x['p99_itl_ms']:.0f}")
         out.append(f"| {t} | " + " | ".join(cells) + " |")
