@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 
 GAP_EPS = 1e-4
+# the CPU's flags, read here apart from the code under test (pdserve.model.kernels reads them too)
+CPU_FLAGS = frozenset(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else frozenset()
 _REFERENCE_CACHE: dict = {}
 DIVERGENCES: list[str] = []  # reported at the end of the session (see conftest)
 

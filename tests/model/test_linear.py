@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import CPU_FLAGS
 
 from pdserve.model.linear import Linear, mkl_packing, onednn_bf16_packing
 
@@ -22,11 +21,10 @@ def test_packed_matches_matmul(rows, out_features, in_features):
     torch.testing.assert_close(lin(x), x @ weight.t(), rtol=1e-5, atol=1e-5)
 
 
-_FLAGS = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
 # what oneDNN's bfloat16 reorder asks of the CPU (its own error message names these); an AVX2-only CPU
 # keeps the plain bfloat16 matmul
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and (
-    {"avx512bw", "avx512vl", "avx512dq"} <= _FLAGS or "avx_ne_convert" in _FLAGS
+    {"avx512bw", "avx512vl", "avx512dq"} <= CPU_FLAGS or "avx_ne_convert" in CPU_FLAGS
 )
 
 

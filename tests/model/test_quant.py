@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import CPU_FLAGS
 from tp_threads import last_logits
 
 from pdserve.model.embedding import Embedding
@@ -15,8 +16,7 @@ from pdserve.model.linear import Int4Linear, Int8Linear, Linear, make_linear, we
 from pdserve.model.quant import quantize, quantize_int4, quantize_int8
 
 TEXT = Path(__file__).resolve().parent.parent / "data" / "prose.txt"
-_FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-HAS_VNNI = " avx512_vnni" in _FLAGS and " avx512bw" in _FLAGS
+HAS_VNNI = {"avx512_vnni", "avx512bw"} <= CPU_FLAGS
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
