@@ -123,13 +123,15 @@ def smollm2_file() -> str:
     return str(next(Path(spec.submodule_search_locations[0]).glob("*.gguf")))
 
 
-def formats(prompt_len: int = 128, new_tokens: int = 32) -> dict:
-    """Each weight format of SmolLM2 on one thread: decode tok/s at batch 1 and 32, weight bytes."""
+def formats(names=tuple(FORMATS), prompt_len: int = 128, new_tokens: int = 32) -> dict:
+    """Each weight format of SmolLM2 (`names`, float32 among them) on one thread: decode tok/s at
+    batch 1 and 32, weight bytes."""
     path, busy, bw = smollm2_file(), busy_cores(), read_gbps(1)
-    table = {"model": Path(path).name, "threads": 1, "read_gbps": round(bw, 2), "prompt_tokens": prompt_len,
+    table = {"model": Path(path).name, "cpu": torch.backends.cpu.get_cpu_capability(), "threads": 1,
+             "read_gbps": round(bw, 2), "prompt_tokens": prompt_len,
              "new_tokens": new_tokens, "busy_cores_before": busy}
-    for name, kw in FORMATS.items():
-        llm = LLM(path, num_threads=1, num_blocks=2048, max_num_seqs=64, **kw)
+    for name in names:
+        llm = LLM(path, num_threads=1, num_blocks=2048, max_num_seqs=64, **FORMATS[name])
         vocab = llm.engine.spec.vocab_size
         pdserve_decode(llm, 1, vocab, 16, 4)  # warm-up
         row = {"weight_bytes": llm.engine.executor.local.model.weight_bytes(),
@@ -142,7 +144,7 @@ def formats(prompt_len: int = 128, new_tokens: int = 32) -> dict:
         llm.shutdown()
         table[name] = row
     base = table["float32"]
-    for name in FORMATS:
+    for name in names:
         row = table[name]
         row["weight_memory_vs_float32"] = round(row["weight_bytes"] / base["weight_bytes"], 3)
         for batch in (1, 32):
@@ -168,7 +170,7 @@ def print_formats(table: dict) -> None:
     print(f"{table['model']}, 1 thread, read bandwidth {table['read_gbps']} GB/s")
     print("format   | weights MiB | vs f32 | b1 tok/s | vs f32 | of bound | b32 tok/s | vs f32 | of bound "
           "| one stream")
-    for name in FORMATS:
+    for name in (n for n in FORMATS if n in table):
         r = table[name]
         print(f"{name:8} | {r['weight_bytes'] / 2**20:11.1f} | {r['weight_memory_vs_float32']:6} | "
               f"{r[1]['tok_s']:8} | {r[1]['vs_float32']:6} | {r[1]['fraction_of_bound']:8.0%} | "
@@ -227,6 +229,8 @@ def main() -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--threads", type=int, default=len(__import__("os").sched_getaffinity(0)))
     parser.add_argument("--only", choices=["small", "formats"], default=None)
+    parser.add_argument("--formats", default=",".join(FORMATS),
+                        help="weight formats to measure, float32 among them (bfloat16 is slow without AVX512-BF16)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.json"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -235,7 +239,7 @@ def main() -> int:
         results = {**small_model(args.model, args.threads), "formats": results.get("formats")}
         print_small(results)
     if args.only != "small":
-        results["formats"] = formats()
+        results["formats"] = formats(tuple(args.formats.split(",")))
         print_formats(results["formats"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

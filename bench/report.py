@@ -74,7 +74,22 @@ def formats(f) -> list[str]:
         out += ["", f"One stream as `bench/llamacpp_compare.py` runs it ({cpp['prompt_tokens']}-token prompt, "
                     f"{cpp['new_tokens']} greedy tokens, one thread, same file): llama.cpp (llama-cpp-python "
                     f"{cpp['llama_cpp_python']}, built for this CPU) {cpp['decode_tok_s']} tok/s; pdserve {streams}."]
-    return out
+    return out + formats_elsewhere((load("engine_avx2") or {}).get("formats"), load("llama_cpp_avx2"))
+
+
+def formats_elsewhere(f, cpp) -> list[str]:
+    """The weight formats on another CPU (an AVX2-only one: CI's machines vary), beside llama.cpp there."""
+    if not f or not cpp:
+        return []
+    speeds = ", ".join(f"{name} {f[name]['one_stream_tok_s']} ({f[name]['one_stream_tok_s'] / cpp['decode_tok_s']:.2f}×)"
+                       for name in ("int4", "int8", "float32"))
+    batch = ", ".join(f"{name} {f[name]['32']['tok_s']} ({f[name]['32']['vs_float32']}× float32)" for name in ("int4", "int8"))
+    return ["", f"On an {f['cpu']}-only CPU (bench/results/engine_avx2.json and llama_cpp_avx2.json), one stream: "
+                f"llama.cpp {cpp['decode_tok_s']} tok/s, pdserve {speeds}; batch 32: {batch}. There the int4 and "
+                "int8 kernels are the AVX2 build (`maddubs`, as llama.cpp's); with torch's kernels, used there before, "
+                "one stream ran at int4 34 and int8 31 tok/s. bfloat16 weights are not measured there: without "
+                "AVX512-BF16, torch's bfloat16 GEMM ran SmolLM2's projections 6× slower than float32's "
+                "at one row and 41× at 32 (bench/results/quant_kernels_avx2.json)."]
 
 
 def kv_dtype(r) -> list[str]:

@@ -16,7 +16,7 @@ from pdserve.model.linear import Int4Linear, Int8Linear, Linear, make_linear, we
 from pdserve.model.quant import quantize, quantize_int4, quantize_int8
 
 TEXT = Path(__file__).resolve().parent.parent / "data" / "prose.txt"
-HAS_VNNI = {"avx512_vnni", "avx512bw"} <= CPU_FLAGS
+HAS_NATIVE = {"avx2", "fma", "f16c"} <= CPU_FLAGS  # kernels/int4_linear.c builds (AVX2 or AVX512-VNNI)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -33,19 +33,40 @@ def test_quantized_layers_compute_their_weights_product(fmt, layer, out_features
     q = quantize(w, fmt)
     lin = make_linear(q, torch.float32)
     assert isinstance(lin, layer)
-    assert lin.native == HAS_VNNI  # kernels/int4_linear.c where it builds (this machine), else torch's
+    assert lin.native == HAS_NATIVE  # kernels/int4_linear.c where it builds, else torch's
     y = lin(x)
     assert y.shape == (rows, out_features) and y.dtype == torch.float32
     # activations rounded (bfloat16, or int8 per 32 in the native int4 kernel): what the weights say
     assert relative_error(y, x @ q.dequantize().t()) < 0.015
     assert relative_error(y, x @ w.t()) < (0.02 if fmt == "int8" else 0.15)
     rows16 = -(-out_features // 16) * 16  # rows padded to sixteens, one per vector lane
-    if fmt == "int8" and HAS_VNNI:  # a byte per weight and a float32 scale per row
+    if fmt == "int8" and HAS_NATIVE:  # a byte per weight and a float32 scale per row
         assert weight_bytes(lin) == rows16 * (in_features + 4)
     elif fmt == "int8":  # torch's layout: a bfloat16 scale per row
         assert weight_bytes(lin) == out_features * (in_features + 2)
     else:  # half a byte per weight, a 16-bit scale and zero per 32
         assert weight_bytes(lin) == rows16 * (in_features // 2 + in_features // 32 * 4)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_row_counts_and_threads_sharing_scratch_get_their_own_products(fmt):
+    """The native kernels quantize activations into per-thread scratch that grows and is reused:
+    calls of other row counts, and other threads at the same time, must not see each other's."""
+    from concurrent.futures import ThreadPoolExecutor
+    g = torch.Generator().manual_seed(7)
+    lin = make_linear(quantize(torch.randn(48, 96, generator=g), fmt), torch.float32)
+    inputs = [torch.randn(rows, 96, generator=g) for rows in (3, 40, 1, 17, 40, 2)]
+    alone = [lin(x) for x in inputs]
+    for x, want in zip(inputs, alone):  # again, after the scratch grew
+        torch.testing.assert_close(lin(x), want, rtol=0, atol=0)
+
+    def run(i: int) -> list[torch.Tensor]:
+        return [lin(inputs[(i + j) % len(inputs)]) for j in range(60)]
+
+    with ThreadPoolExecutor(4) as pool:
+        for i, outs in enumerate(pool.map(run, range(4))):
+            for j, y in enumerate(outs):
+                torch.testing.assert_close(y, alone[(i + j) % len(inputs)], rtol=0, atol=0)
 
 
 def test_an_input_size_the_kernels_cannot_take_runs_dense():

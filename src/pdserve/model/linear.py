@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import torch
 
@@ -137,8 +138,9 @@ class Int8Linear:
 
 @functools.lru_cache(maxsize=1)
 def _int4_lib() -> ctypes.CDLL | None:
-    """kernels/int4_linear.c, where this CPU has AVX512-VNNI (else None: torch's kernel)."""
-    lib = kernels.load("int4_linear", cpu_flags=("avx512_vnni", "avx512bw"))
+    """kernels/int4_linear.c, where this CPU has AVX2, FMA and F16C (its AVX512-VNNI build where it has
+    that too), else None: torch's kernel."""
+    lib = kernels.load("int4_linear", cpu_flags=("avx2", "fma", "f16c"))
     if lib is not None:
         p, i = ctypes.c_void_p, ctypes.c_int
         for fn in (lib.int4_linear, lib.int8_linear):
@@ -148,10 +150,12 @@ def _int4_lib() -> ctypes.CDLL | None:
 
 
 class Int4Linear:
-    """Grouped int4 weight (groups of 32 inputs). Where kernels/int4_linear.c builds (AVX512-VNNI),
-    in its layout: SmolLM2's projections took 4.0 ms against torch's kernel's 4.6 at one row and
-    19.8 against 45.9 at 32 (int8: 5.0 against 8.1, 21.1 against 50.2; bench/quant_kernels.py). Elsewhere packed by `_convert_weight_to_int4pack_for_cpu`,
-    with its scales and zeros as that kernel wants them ([in / group, out, 2])."""
+    """Grouped int4 weight (groups of 32 inputs). Where kernels/int4_linear.c builds (AVX2 or
+    AVX512-VNNI), in its layout. SmolLM2's projections (bench/quant_kernels.py), against torch's
+    kernel: with VNNI 4.0 ms against 4.6 at one row and 19.8 against 45.9 at 32 (int8: 5.0 against
+    8.1, 21.1 against 50.2); on AVX2 alone 7.4 against 17.2 and 62 against 168 (int8: 10.4 against
+    20.8, 80 against 166). Elsewhere packed by `_convert_weight_to_int4pack_for_cpu`, with its
+    scales and zeros as that kernel wants them ([in / group, out, 2])."""
 
     def __init__(self, weight: QuantizedWeight):
         self.out_features, self.in_features = weight.shape
@@ -179,17 +183,35 @@ class Int4Linear:
 
 def _run_native(fn, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, in_features: int,
                 out_features: int) -> torch.Tensor:
-    """One call of a kernels/int4_linear.c function: x [rows, in] -> [rows, out] in x's dtype."""
-    x32 = x.float().contiguous()
-    rows, groups, n = x.shape[0], in_features // 32, codes.shape[0] * 16
+    """One call of a kernels/int4_linear.c function: x [rows, in] -> [rows, out] in x's dtype. The
+    quantized activations go to this thread's scratch (`_scratch`): a decode step makes ~120 calls, and
+    allocating their buffers each time cost about a tenth of a one-stream SmolLM2 step."""
+    x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    rows, n = x.shape[0], codes.shape[0] * 16
     y = torch.empty(rows, n)
-    xq = torch.empty(rows, in_features, dtype=torch.int8)
-    dx, t = torch.empty(2, rows, groups)
-    fn(x32.data_ptr(), rows, in_features, codes.data_ptr(), scales.data_ptr(), n, y.data_ptr(),
-       xq.data_ptr(), dx.data_ptr(), t.data_ptr(), torch.get_num_threads())
+    xq, dx, t = _scratch(rows, in_features)
+    fn(x32.data_ptr(), rows, in_features, codes.data_ptr(), scales.data_ptr(), n, y.data_ptr(), xq, dx, t,
+       torch.get_num_threads())
     if n != out_features:
         y = y[:, :out_features]
-    return y.to(x.dtype)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+_local = threading.local()  # TP ranks may be threads of one process: each has its own scratch
+
+
+def _scratch(rows: int, in_features: int) -> tuple[int, int, int]:
+    """Addresses of this thread's buffers for `rows` activation rows of `in_features`: int8 codes
+    [rows, in], then their scales and sums [rows, in / 32] each (the kernel reads them at these row
+    strides, so a larger buffer serves fewer rows). Grown, never shrunk: one per input size."""
+    buffers = _local.__dict__.setdefault("buffers", {})
+    held = buffers.get(in_features)
+    if held is None or held[0] < rows:
+        groups = in_features // 32
+        codes, floats = torch.empty(rows, in_features, dtype=torch.int8), torch.empty(2, rows, groups)
+        held = buffers[in_features] = (rows, codes, floats, codes.data_ptr(), floats.data_ptr(),
+                                       floats.data_ptr() + rows * groups * floats.element_size())
+    return held[3:]
 
 
 def _pack_int8_rows(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,139 @@
+/* int4_linear.c's AVX2 path, llama.cpp's scheme for CPUs without VNNI: maddubs multiplies unsigned
+ * codes by int8 inputs into int16 pair sums, madd with ones adds the pairs into int32 lanes. Each
+ * 64-byte vector of the layout is read as two 32-byte halves, rows 0-7 and 8-15 of its block.
+ *
+ * int4: a pair sum is at most 2 * 15 * 127, so a group's 8 planes add up in int16 (30,480 <
+ * 32,767) before one madd. int8: the stored code minus 128 is the signed weight w; maddubs takes
+ * |w| (at most 128, unsigned) and the input with w's sign, so its pair sums stay within int16
+ * (2 * 128 * 127) and each plane is widened on its own; no 128 * sum(xq) correction is needed.
+ * Included by int4_linear.c only. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define ROWS_PER_PASS 4 /* activation rows sharing one unpacking of a block's codes */
+
+static inline __m256i splat4(const int8_t *p) { /* 4 int8 inputs in every lane */
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+static inline float max8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline int32_t sum8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+static void quantize(const float *x, int m, int k, int8_t *xq, float *dx, float *t) {
+    const int groups = k / 32;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes the packs' lane interleave */
+    for (int r = 0; r < m; r++) {
+        for (int g = 0; g < groups; g++) {
+            const float *xg = x + (size_t)r * k + g * 32;
+            __m256 v[4], top = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xg + 8 * i);
+                top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
+            }
+            const float amax = max8(top);
+            const __m256 inv = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+            __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(xq + (size_t)r * k + g * 32), _mm256_permutevar8x32_epi32(bytes, order));
+            const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            dx[(size_t)r * groups + g] = amax / 127.0f;
+            t[(size_t)r * groups + g] = amax / 127.0f * (float)sum8(total);
+        }
+    }
+}
+
+/* x [m, k] -> y [m, n]; scratch: xq [m, k] int8, dx and t [m, k / 32] float. */
+void int4_linear(const float *x, int m, int k, const uint8_t *w, const uint16_t *scales, int n, float *y,
+                 int8_t *xq, float *dx, float *t, int nthreads) {
+    const int groups = k / 32, halves = n / 8;
+    quantize(x, m, k, xq, dx, t);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && halves > 1)
+    for (int nh = 0; nh < halves; nh++) { /* rows 8 * nh ... of block nh / 2 */
+        const uint8_t *wb = w + (size_t)(nh / 2) * groups * 256 + (nh % 2) * 32;
+        const uint16_t *sb = scales + (size_t)(nh / 2) * groups * 32 + (nh % 2) * 8;
+        for (int r0 = 0; r0 < m; r0 += ROWS_PER_PASS) {
+            const int rows = m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS;
+            __m256 acc[ROWS_PER_PASS];
+            for (int j = 0; j < ROWS_PER_PASS; j++) acc[j] = _mm256_setzero_ps();
+            for (int g = 0; g < groups; g++) {
+                __m256i c[8];
+                for (int q = 0; q < 4; q++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(wb + (size_t)g * 256 + q * 64));
+                    c[2 * q] = _mm256_and_si256(v, low4);
+                    c[2 * q + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                }
+                const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + g * 32)));
+                const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + g * 32 + 16)));
+                for (int j = 0; j < rows; j++) {
+                    const size_t r = r0 + j;
+                    const int8_t *xg = xq + r * k + g * 32;
+                    __m256i p0 = _mm256_maddubs_epi16(c[0], splat4(xg));
+                    __m256i p1 = _mm256_maddubs_epi16(c[1], splat4(xg + 4));
+                    for (int i = 2; i < 8; i += 2) {
+                        p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(c[i], splat4(xg + 4 * i)));
+                        p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(c[i + 1], splat4(xg + 4 * i + 4)));
+                    }
+                    const __m256i d = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
+                    const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(dx[r * groups + g]));
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sd, acc[j]);
+                    acc[j] = _mm256_fmadd_ps(z, _mm256_set1_ps(t[r * groups + g]), acc[j]);
+                }
+            }
+            for (int j = 0; j < rows; j++) _mm256_storeu_ps(y + (size_t)(r0 + j) * n + nh * 8, acc[j]);
+        }
+    }
+}
+
+/* The int8 layout: per block of 16 rows and group, 8 planes of 64 bytes (codes plus 128). */
+void int8_linear(const float *x, int m, int k, const uint8_t *w, const float *scales, int n, float *y,
+                 int8_t *xq, float *dx, float *t, int nthreads) {
+    const int groups = k / 32, halves = n / 8;
+    quantize(x, m, k, xq, dx, t);
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && halves > 1)
+    for (int nh = 0; nh < halves; nh++) {
+        const uint8_t *wb = w + (size_t)(nh / 2) * groups * 512 + (nh % 2) * 32;
+        const __m256 s = _mm256_loadu_ps(scales + nh * 8);
+        for (int r0 = 0; r0 < m; r0 += ROWS_PER_PASS) {
+            const int rows = m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS;
+            __m256 acc[ROWS_PER_PASS];
+            for (int j = 0; j < ROWS_PER_PASS; j++) acc[j] = _mm256_setzero_ps();
+            for (int g = 0; g < groups; g++) {
+                const uint8_t *wg = wb + (size_t)g * 512;
+                for (int j = 0; j < rows; j++) {
+                    const size_t r = r0 + j;
+                    const int8_t *xg = xq + r * k + g * 32;
+                    __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+                    for (int i = 0; i < 8; i += 2) {
+                        const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + i * 64)), flip);
+                        const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + i * 64 + 64)), flip);
+                        const __m256i p0 = _mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(splat4(xg + 4 * i), w0));
+                        const __m256i p1 = _mm256_maddubs_epi16(_mm256_abs_epi8(w1),
+                                                                _mm256_sign_epi8(splat4(xg + 4 * i + 4), w1));
+                        d0 = _mm256_add_epi32(d0, _mm256_madd_epi16(p0, ones));
+                        d1 = _mm256_add_epi32(d1, _mm256_madd_epi16(p1, ones));
+                    }
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1)),
+                                             _mm256_set1_ps(dx[r * groups + g]), acc[j]);
+                }
+            }
+            for (int j = 0; j < rows; j++)
+                _mm256_storeu_ps(y + (size_t)(r0 + j) * n + nh * 8, _mm256_mul_ps(s, acc[j]));
+        }
+    }
+}
