@@ -37,3 +37,16 @@ def test_bfloat16_weights_are_packed_for_onednn(rows):
     assert lin.packed == onednn_bf16_packing() == ONEDNN_BF16
     x = torch.randn(rows, 64, generator=g).bfloat16()
     torch.testing.assert_close(lin(x), x @ weight.t())
+
+
+def test_unpacked_bfloat16_weights_warn_once_that_float32_is_faster(caplog):
+    from pdserve.model import linear
+    linear._warn_unpacked_bfloat16.cache_clear()
+    with caplog.at_level("WARNING", logger="pdserve.model.linear"):
+        Linear(torch.randn(32, 32).bfloat16())
+        Linear(torch.randn(32, 32).bfloat16())
+        Linear(torch.randn(32, 32))
+    warnings = [r.getMessage() for r in caplog.records if "bfloat16 weights" in r.getMessage()]
+    # where oneDNN packs bfloat16 the GEMM is fast and nothing is said; elsewhere once per process
+    assert len(warnings) == (0 if ONEDNN_BF16 else 1)
+    assert all("--quantization int8|int4" in w for w in warnings)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import threading
 
 import torch
@@ -32,6 +33,7 @@ from pdserve.model import kernels
 from pdserve.model.host_memory import huge_page_copy
 from pdserve.model.quant import QuantizedWeight, Weight, pad_rows
 
+logger = logging.getLogger(__name__)
 _PACK_ROWS = 128  # MKL tunes its packing for this many rows; every row count computes correctly
 
 
@@ -67,6 +69,15 @@ def onednn_bf16_packing() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1)
+def _warn_unpacked_bfloat16() -> None:
+    """Once per process: without oneDNN's bfloat16 packing (no AVX512-BF16 or AVX-NE-CONVERT), a
+    bfloat16 GEMM here ran SmolLM2's projections 6x slower than float32 at one row and 41x at 32
+    (bench/results/quant_kernels_avx2.json)."""
+    logger.warning("bfloat16 weights on a CPU without native bfloat16 GEMMs run several times slower "
+                   "than float32; --dtype float32, or --quantization int8|int4 for fewer bytes, is faster here")
+
+
 def _shape_only(weight: torch.Tensor) -> torch.Tensor:
     """A stand-in for the dense weight `_mkl_linear` also takes: it reads only its shape when the
     row count it is given matches the input's, which every call here guarantees (the self-check
@@ -85,6 +96,8 @@ class Linear:
         elif weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and onednn_bf16_packing():
             self._onednn = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS)
         else:
+            if weight.dtype == torch.bfloat16:
+                _warn_unpacked_bfloat16()
             self._dense = huge_page_copy(weight.t())
 
     @property
