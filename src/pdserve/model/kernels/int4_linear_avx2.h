@@ -3,15 +3,15 @@
  * 64-byte vector of the layout is read as two 32-byte halves, rows 0-7 and 8-15 of its block.
  *
  * int4: a pair sum is at most 2 * 15 * 127, so a group's 8 planes add up in int16 (30,480 <
- * 32,767) before one madd. int8: the stored code minus 128 is the signed weight w; maddubs takes
- * |w| (at most 128, unsigned) and the input with w's sign, so its pair sums stay within int16
- * (2 * 128 * 127) and each plane is widened on its own; no 128 * sum(xq) correction is needed.
+ * 32,767) before one madd; both halves of a block go in one pass, so each broadcast input serves
+ * 16 rows (17 % faster at 1 and 32 rows than a pass per half, bench/quant_kernels.py).
+ * int8: the stored code minus 128 is the signed weight w; maddubs takes |w| (at most 128,
+ * unsigned) and the input with w's sign, so its pair sums stay within int16 (2 * 128 * 127) and
+ * each plane is widened on its own; no 128 * sum(xq) correction is needed.
  * Included by int4_linear.c only. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
-
-#define ROWS_PER_PASS 4 /* activation rows sharing one unpacking of a block's codes */
 
 static inline __m256i splat4(const int8_t *p) { /* 4 int8 inputs in every lane */
     int32_t v;
@@ -57,49 +57,60 @@ static void quantize(const float *x, int m, int k, int8_t *xq, float *dx, float 
 }
 
 /* x [m, k] -> y [m, n]; scratch: xq [m, k] int8, dx and t [m, k / 32] float. */
+#define INT4_ROWS 2 /* activation rows per pass (2 x 2 halves of sums; 1 and 4 measured slower) */
 void int4_linear(const float *x, int m, int k, const uint8_t *w, const uint16_t *scales, int n, float *y,
                  int8_t *xq, float *dx, float *t, int nthreads) {
-    const int groups = k / 32, halves = n / 8;
+    const int groups = k / 32, blocks = n / 16;
     quantize(x, m, k, xq, dx, t);
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && halves > 1)
-    for (int nh = 0; nh < halves; nh++) { /* rows 8 * nh ... of block nh / 2 */
-        const uint8_t *wb = w + (size_t)(nh / 2) * groups * 256 + (nh % 2) * 32;
-        const uint16_t *sb = scales + (size_t)(nh / 2) * groups * 32 + (nh % 2) * 8;
-        for (int r0 = 0; r0 < m; r0 += ROWS_PER_PASS) {
-            const int rows = m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS;
-            __m256 acc[ROWS_PER_PASS];
-            for (int j = 0; j < ROWS_PER_PASS; j++) acc[j] = _mm256_setzero_ps();
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && blocks > 1)
+    for (int nb = 0; nb < blocks; nb++) {
+        const uint8_t *wb = w + (size_t)nb * groups * 256;
+        const uint16_t *sb = scales + (size_t)nb * groups * 32;
+        for (int r0 = 0; r0 < m; r0 += INT4_ROWS) {
+            const int rows = m - r0 < INT4_ROWS ? m - r0 : INT4_ROWS;
+            __m256 acc[INT4_ROWS][2];
+            for (int j = 0; j < INT4_ROWS; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
             for (int g = 0; g < groups; g++) {
-                __m256i c[8];
+                __m256i p[INT4_ROWS][2];
+                for (int j = 0; j < INT4_ROWS; j++) p[j][0] = p[j][1] = _mm256_setzero_si256();
                 for (int q = 0; q < 4; q++) {
-                    __m256i v = _mm256_loadu_si256((const __m256i *)(wb + (size_t)g * 256 + q * 64));
-                    c[2 * q] = _mm256_and_si256(v, low4);
-                    c[2 * q + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                }
-                const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + g * 32)));
-                const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + g * 32 + 16)));
-                for (int j = 0; j < rows; j++) {
-                    const size_t r = r0 + j;
-                    const int8_t *xg = xq + r * k + g * 32;
-                    __m256i p0 = _mm256_maddubs_epi16(c[0], splat4(xg));
-                    __m256i p1 = _mm256_maddubs_epi16(c[1], splat4(xg + 4));
-                    for (int i = 2; i < 8; i += 2) {
-                        p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(c[i], splat4(xg + 4 * i)));
-                        p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(c[i + 1], splat4(xg + 4 * i + 4)));
+                    const uint8_t *wq = wb + (size_t)g * 256 + q * 64;
+                    const __m256i v0 = _mm256_loadu_si256((const __m256i *)wq);
+                    const __m256i v1 = _mm256_loadu_si256((const __m256i *)(wq + 32));
+                    const __m256i a0 = _mm256_and_si256(v0, low4), b0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+                    const __m256i a1 = _mm256_and_si256(v1, low4), b1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+                    for (int j = 0; j < rows; j++) {
+                        const int8_t *xg = xq + (size_t)(r0 + j) * k + g * 32 + 8 * q;
+                        const __m256i xa = splat4(xg), xb = splat4(xg + 4);
+                        p[j][0] = _mm256_add_epi16(p[j][0], _mm256_add_epi16(_mm256_maddubs_epi16(a0, xa),
+                                                                             _mm256_maddubs_epi16(b0, xb)));
+                        p[j][1] = _mm256_add_epi16(p[j][1], _mm256_add_epi16(_mm256_maddubs_epi16(a1, xa),
+                                                                             _mm256_maddubs_epi16(b1, xb)));
                     }
-                    const __m256i d = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
-                    const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(dx[r * groups + g]));
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sd, acc[j]);
-                    acc[j] = _mm256_fmadd_ps(z, _mm256_set1_ps(t[r * groups + g]), acc[j]);
+                }
+                for (int h = 0; h < 2; h++) {
+                    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + g * 32 + 8 * h)));
+                    const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + g * 32 + 16 + 8 * h)));
+                    for (int j = 0; j < rows; j++) {
+                        const size_t r = r0 + j;
+                        const __m256i d = _mm256_madd_epi16(p[j][h], ones);
+                        const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(dx[r * groups + g]));
+                        acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sd, acc[j][h]);
+                        acc[j][h] = _mm256_fmadd_ps(z, _mm256_set1_ps(t[r * groups + g]), acc[j][h]);
+                    }
                 }
             }
-            for (int j = 0; j < rows; j++) _mm256_storeu_ps(y + (size_t)(r0 + j) * n + nh * 8, acc[j]);
+            for (int j = 0; j < rows; j++) {
+                _mm256_storeu_ps(y + (size_t)(r0 + j) * n + nb * 16, acc[j][0]);
+                _mm256_storeu_ps(y + (size_t)(r0 + j) * n + nb * 16 + 8, acc[j][1]);
+            }
         }
     }
 }
 
 /* The int8 layout: per block of 16 rows and group, 8 planes of 64 bytes (codes plus 128). */
+#define ROWS_PER_PASS 4 /* activation rows per pass over a half block's codes */
 void int8_linear(const float *x, int m, int k, const uint8_t *w, const float *scales, int n, float *y,
                  int8_t *xq, float *dx, float *t, int nthreads) {
     const int groups = k / 32, halves = n / 8;
