@@ -78,18 +78,24 @@ def formats(f) -> list[str]:
 
 
 def formats_elsewhere(f, cpp) -> list[str]:
-    """The weight formats on another CPU (an AVX2-only one: CI's machines vary), beside llama.cpp there."""
+    """The weight formats on another CPU (an AVX2-only one: CI's machines vary), beside llama.cpp there,
+    and what its bfloat16 GEMM costs (bench/quant_kernels.py's result there)."""
     if not f or not cpp:
         return []
     speeds = ", ".join(f"{name} {f[name]['one_stream_tok_s']} ({f[name]['one_stream_tok_s'] / cpp['decode_tok_s']:.2f}×)"
                        for name in ("int4", "int8", "float32"))
     batch = ", ".join(f"{name} {f[name]['32']['tok_s']} ({f[name]['32']['vs_float32']}× float32)" for name in ("int4", "int8"))
-    return ["", f"On an {f['cpu']}-only CPU (bench/results/engine_avx2.json and llama_cpp_avx2.json), one stream: "
-                f"llama.cpp {cpp['decode_tok_s']} tok/s, pdserve {speeds}; batch 32: {batch}. There the int4 and "
-                "int8 kernels are the AVX2 build (`maddubs`, as llama.cpp's); with torch's kernels, used there before, "
-                "one stream ran at int4 34 and int8 31 tok/s. bfloat16 weights are not measured there: without "
-                "AVX512-BF16, torch's bfloat16 GEMM ran SmolLM2's projections 6× slower than float32's "
-                "at one row and 41× at 32 (bench/results/quant_kernels_avx2.json)."]
+    out = [f"On an {f['cpu']}-only CPU (bench/results/engine_avx2.json and llama_cpp_avx2.json), one stream: "
+           f"llama.cpp {cpp['decode_tok_s']} tok/s, pdserve {speeds}; batch 32: {batch}. There the int4 and "
+           "int8 kernels are the AVX2 build (`maddubs`, as llama.cpp's)."]
+    kernels = load("quant_kernels_avx2")
+    if kernels:
+        slower = [kernels["ms"][rows]["bfloat16 (oneDNN packed)"] / kernels["ms"][rows]["float32 (MKL packed)"]
+                  for rows in ("1", "32")]
+        out[0] += (f" bfloat16 weights are not measured there: without AVX512-BF16, torch's bfloat16 GEMM ran "
+                   f"SmolLM2's projections {slower[0]:.0f}× slower than float32's at one row and {slower[1]:.0f}× "
+                   "at 32 (bench/results/quant_kernels_avx2.json).")
+    return [""] + out
 
 
 def kv_dtype(r) -> list[str]:

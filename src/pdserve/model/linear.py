@@ -72,7 +72,7 @@ def onednn_bf16_packing() -> bool:
 @functools.lru_cache(maxsize=1)
 def _warn_unpacked_bfloat16() -> None:
     """Once per process: without oneDNN's bfloat16 packing (no AVX512-BF16 or AVX-NE-CONVERT), a
-    bfloat16 GEMM here ran SmolLM2's projections 6x slower than float32 at one row and 41x at 32
+    bfloat16 GEMM here ran SmolLM2's projections 6x slower than float32 at one row and 42x at 32
     (bench/results/quant_kernels_avx2.json)."""
     logger.warning("bfloat16 weights on a CPU without native bfloat16 GEMMs run several times slower "
                    "than float32; --dtype float32, or --quantization int8|int4 for fewer bytes, is faster here")

@@ -4,7 +4,7 @@
  *
  * int4: a pair sum is at most 2 * 15 * 127, so a group's 8 planes add up in int16 (30,480 <
  * 32,767) before one madd; both halves of a block go in one pass, so each broadcast input serves
- * 16 rows (17 % faster at 1 and 32 rows than a pass per half, bench/quant_kernels.py).
+ * 16 rows (17 % faster at 1 and 32 rows than a pass per half: SmolLM2's projections, runs alternated).
  * int8: the stored code minus 128 is the signed weight w; maddubs takes |w| (at most 128,
  * unsigned) and the input with w's sign, so its pair sums stay within int16 (2 * 128 * 127) and
  * each plane is widened on its own; no 128 * sum(xq) correction is needed.
