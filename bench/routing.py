@@ -11,8 +11,9 @@ holds ~4.5 % of the trace's unique blocks (`--num-blocks`). Answers are short (1
 benchmark is about prefill and TTFT, and eight instances stepping through long answers would keep
 this machine's two cores busy with the engines' own overhead. Per policy: the prefix hit rate
 (prompt tokens no instance computed) beside what one LRU cache of all the instances' blocks would
-reach on the same requests, how evenly each pool computed prompt tokens (busiest over mean), the
-proxy's P/D decisions and TTFT p50/p90. Results: bench/results/routing.json.
+reach on the same requests, how evenly the load spread (busiest over mean: prompt tokens a producer
+computed, tokens a decode instance generated), the proxy's
+P/D decisions and TTFT p50/p90. Results: bench/results/routing.json.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pdserve.cli import ensure_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
-POLICIES = ("kv-aware", "least-loaded", "least-loaded/no-pulls", "round-robin")
+POLICIES = ("kv-aware", "kv-aware/both-copies", "least-loaded", "least-loaded/no-pulls", "round-robin")
 BLOCK_TOKENS = 64  # tokens per trace hash id here
 NUM_BLOCKS = 384  # KV blocks per instance (16 tokens each): ~4.5 % of the default trace's unique blocks
 
@@ -67,7 +68,8 @@ def run_up(model: str, policy: str, up_args: list[str], bench_args: list[str], w
         health = json.loads(urllib.request.urlopen(proxy + "/health", timeout=30).read())
         instances = {role: sorted(health[role]) for role in ("prefill", "decode")}
         urls = instances["prefill"] + instances["decode"]
-        before = {u: metric_sum(u, "pdserve:prompt_tokens_computed_total") for u in urls}
+        counters = ("pdserve:prompt_tokens_computed_total", "pdserve:generation_tokens_total")
+        before = {(u, c): metric_sum(u, c) for u in urls for c in counters}
         result = work / f"{name}.json"
         subprocess.run(
             [*PDSERVE, "bench", "serve", "--base-url", proxy, *bench_args, "--save-result", "--result-dir",
@@ -75,15 +77,18 @@ def run_up(model: str, policy: str, up_args: list[str], bench_args: list[str], w
              *[x for u in urls for x in ("--metrics-url", u)]],
             check=True, timeout=1800, stdout=subprocess.DEVNULL)
         bench = json.loads(result.read_text())
-        tokens = {u: metric_sum(u, "pdserve:prompt_tokens_computed_total") - before[u] for u in urls}
+        tokens = {u: metric_sum(u, counters[0]) - before[u, counters[0]] for u in urls}
+        generated = {u: metric_sum(u, counters[1]) - before[u, counters[1]] for u in instances["decode"]}
         bench["decisions"] = {d: metric_sum(proxy, f'pdserve_proxy:pd_decisions_total{{decision="{d}"}}')
                               for d in ("local", "remote")}
         bench["computed"] = tokens
-        bench["busiest_over_mean"] = {}
-        for role, members in instances.items():
-            loads = [tokens[u] for u in members]
-            bench["busiest_over_mean"][role] = round(max(loads) / (sum(loads) / len(loads)), 3) \
-                if sum(loads) else None
+        bench["generated"] = generated
+        # load: prompt tokens a producer computed, tokens a decode instance generated (its local
+        # prefills, a small share of its work, are in `computed`)
+        loads = {"prefill": [tokens[u] for u in instances["prefill"]],
+                 "decode": [generated[u] for u in instances["decode"]]}
+        bench["busiest_over_mean"] = {role: round(max(v) / (sum(v) / len(v)), 3) if sum(v) else None
+                                      for role, v in loads.items()}
         return bench
     finally:
         os.killpg(up.pid, signal.SIGTERM)
@@ -95,12 +100,14 @@ def run_up(model: str, policy: str, up_args: list[str], bench_args: list[str], w
 
 def run_policy(model: str, policy: str, trace: Path, args, work: Path) -> dict:
     """`policy`, or `least-loaded/no-pulls`: producers never claim blocks from other instances, so each
-    instance reuses only its own cache (as a cache-blind router's deployment does elsewhere)."""
+    instance reuses only its own cache (as a cache-blind router's deployment does elsewhere), or
+    `kv-aware/both-copies`: the producer and the decode instance both keep a prompt's KV alike."""
     routing, _, variant = policy.partition("/")
     extra = " --kv-pull-min-tokens 0" if variant == "no-pulls" else ""
+    proxy = ["--proxy-args", "--kv-copies both"] if variant == "both-copies" else []
     bench = run_up(
         model, routing, ["--mock-engine", "--mock-speedup", str(args.speedup), "--prefill", "4", "--decode", "4",
-                         "--instance-args", f"--num-blocks {args.num_blocks} --max-num-seqs 16{extra}"],
+                         "--instance-args", f"--num-blocks {args.num_blocks} --max-num-seqs 16{extra}", *proxy],
         ["--dataset-name", "trace", "--dataset-path", str(trace), "--trace-block-tokens", str(BLOCK_TOKENS),
          "--trace-time-scale", str(args.time_scale), "--lru-bound-blocks", str(args.num_blocks * 8)], work)
     return {"policy": policy, "ttft_p50_ms": bench.get("median_ttft_ms"), "ttft_p90_ms": bench.get("p90_ttft_ms"),
@@ -108,6 +115,7 @@ def run_policy(model: str, policy: str, trace: Path, args, work: Path) -> dict:
             "prefix_hit_rate": bench.get("prefill_hit_rate"), "lru_bound_hit_rate": bench.get("lru_bound_hit_rate"),
             "unbounded_cache_hit_rate": bench.get("unbounded_cache_hit_rate"),
             "busiest_over_mean": bench["busiest_over_mean"], "prompt_tokens_computed_by_instance": bench["computed"],
+            "tokens_generated_by_decode_instance": bench["generated"],
             "decisions": bench["decisions"]}
 
 

@@ -193,7 +193,8 @@ def _proxy(args) -> int:
         request_timeout_s=args.request_timeout_s, routing=args.routing,
         tokenizer=ensure_model(args.tokenizer) if args.tokenizer else None, chat_template=args.chat_template,
         local_prefill_max_queue=args.local_prefill_max_queue, admin_key=os.environ.get("PDSERVE_ADMIN_KEY"),
-        kv_events_drop_fraction=args.kv_events_drop_fraction, kv_events_drop_seed=args.kv_events_drop_seed)
+        kv_events_drop_fraction=args.kv_events_drop_fraction, kv_events_drop_seed=args.kv_events_drop_seed,
+        kv_copies=args.kv_copies)
     run_proxy(config, args.log_level.upper())
     return 0
 
@@ -322,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "do, to route by the blocks they fill (pdserve up passes it)")
     p.add_argument("--chat-template", default=None,
                    help="the instances' --chat-template, where they were given one (pdserve up passes it)")
+    p.add_argument("--kv-copies", default="one", choices=["one", "both"],
+                   help="kv-aware: a prompt prefilled on a producer is cached by it and by its decode instance; "
+                        "one (default) keeps one of the two, alternating between the pools by conversation, and "
+                        "makes the other a spare copy that instance reuses first, so the instances together "
+                        "cache more distinct prompts; both keeps both alike")
     p.add_argument("--upstream-protocol", default="auto", choices=["auto", "pdserve", "vllm"],
                    help="what the instances are: vllm producers get max_tokens 1 (auto: ask them)")
     # benchmarks of the KV index's repairs (bench/index_exactness.py): lose batches on purpose, seeded

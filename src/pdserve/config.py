@@ -263,12 +263,14 @@ class ProxyConfig:
     chat_template: str | None = None  # the instances' --chat-template, rendered as they render it
     kv_events_drop_fraction: float = 0.0  # benchmarks only: the KV index loses this share of batches
     kv_events_drop_seed: int = 0
+    kv_copies: str = "one"  # kv-aware: a disaggregated prompt's KV kept in one pool (proxy/copies.py) or both
 
     def __post_init__(self):
         _check(0.0 <= self.kv_events_drop_fraction < 1.0, "kv_events_drop_fraction",
                f"must be in [0, 1), got {self.kv_events_drop_fraction}")
         _check(self.routing in ("round-robin", "least-loaded", "kv-aware"), "routing",
                f"must be round-robin, least-loaded or kv-aware, got {self.routing!r}")
+        _check(self.kv_copies in ("one", "both"), "kv_copies", f"must be one or both, got {self.kv_copies!r}")
         _check(self.upstream_protocol in ("auto", "pdserve", "vllm"), "upstream_protocol",
                f"must be auto, pdserve or vllm, got {self.upstream_protocol!r}")
         _check(len(self.decode_urls) >= 1 or self.admin_key is not None, "decode",

@@ -182,3 +182,52 @@ def test_one_block_per_hash_and_removed_only_when_it_goes():
     assert events.hashes == _held(pool) == set()
     removed = [h for e in events.log if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert sorted(removed) == sorted(stored.block_hashes)
+
+
+def _cached(pool: BlockPool, tokens: list[int]) -> Request:
+    r = _request(tokens)
+    r.block_ids = pool.allocate(len(tokens) // pool.block_size)
+    pool.cache_full_blocks(r)
+    return r
+
+
+def test_spare_copies_are_reused_before_the_cache_proper():
+    """A prompt another instance keeps (the proxy's `spare_copy`) is evicted before older prompts
+    this instance keeps: what is freed as spare goes first, in LRU order among spares."""
+    pool = BlockPool(6, 2)
+    kept = _cached(pool, [1, 2, 3, 4])
+    pool.release(kept.block_ids, spare=False)
+    spare = _cached(pool, [5, 6, 7, 8])
+    pool.release(spare.block_ids, spare=True)
+    assert pool.num_free_blocks == 6 and pool.num_spare_blocks == 4  # with two that cache nothing
+    assert len(set(pool.allocate(2)) & set(spare.block_ids)) == 0  # those two first
+    assert set(pool.allocate(2)) == set(spare.block_ids)
+    assert pool.match_prefix(_request([5, 6, 7, 8, 0], computed=0)) == []  # the spare copy went
+    assert pool.match_prefix(_request([1, 2, 3, 4, 0], computed=0)) == kept.block_ids  # older, kept
+
+
+def test_a_block_any_request_kept_stays_kept_and_a_hit_leaves_the_spare_list():
+    pool = BlockPool(4, 2)
+    a = _cached(pool, [1, 2, 3, 4])
+    pool.take(a.block_ids)  # a second request shares the prompt
+    pool.release(a.block_ids, spare=False)
+    pool.release(a.block_ids, spare=True)  # the last owner's spare does not undo the first one's keep
+    assert set(pool.free) == set(a.block_ids) and pool.num_free_blocks == 4
+    b = _cached(pool, [9, 9, 9, 9])
+    pool.release(b.block_ids, spare=True)
+    assert set(pool.spare) == set(b.block_ids)
+    pool.take(b.block_ids[:1])  # a hit takes a spare block out of the free lists
+    assert pool.num_spare_blocks == 1 and pool.num_free_blocks == 3
+    pool.release(b.block_ids[:1])  # no word: it stays a spare copy
+    assert pool.num_spare_blocks == 2
+
+
+def test_a_leased_block_marked_spare_is_freed_as_spare():
+    """A producer's hand-off marks its lease's blocks; the lease frees them later with no word."""
+    pool = BlockPool(4, 2)
+    a = _cached(pool, [1, 2, 3, 4])
+    pool.mark(a.block_ids, spare=True)
+    pool.release(a.block_ids)
+    assert set(pool.spare) == set(range(4))
+    pool.allocate(4)
+    assert pool.copy == bytearray(4)  # reused blocks forget what their last copy was

@@ -84,3 +84,28 @@ def test_a_producer_holding_a_lease_sleeps_and_its_ranks_wake_it_when_read(pair)
     producer.run(lambda: producer.engine.connector.num_leased_blocks() == 0, timeout_s=8.0)
     assert producer.num_steps - steps <= 3  # woken by its ranks' notifications, not by a poll
     assert producer.engine.pool.num_free_blocks == producer.engine.num_blocks
+
+
+def test_the_copy_the_proxy_calls_spare_is_freed_to_be_reused_first(pair):
+    """`spare_copy` on the producer: after decode read the lease, the producer's cached blocks of
+    the prompt wait in its spare list and decode's in its cache proper; on decode, the other way."""
+    producer, consumer = pair
+    for i, (p_spare, d_spare) in enumerate(((True, False), (False, True))):
+        prompt = ids(40, seed=10 + i)  # 2 full blocks and a partial one
+        producer.engine.add_request(f"sp{i}", prompt, SamplingParams(temperature=0, max_tokens=1),
+                                    KVTransferParams.parse({"do_remote_decode": True, "spare_copy": p_spare}))
+        producer.run(lambda i=i: producer.finished(f"sp{i}") and not producer.engine.needs_step())
+        params = dict(producer.finished(f"sp{i}").kv_transfer_params, spare_copy=d_spare)
+        consumer.engine.add_request(f"sd{i}", prompt, SamplingParams(temperature=0, max_tokens=4),
+                                    KVTransferParams.parse(params))
+        consumer.run(lambda i=i: consumer.finished(f"sd{i}"), timeout_s=8.0)
+        producer.run(lambda: producer.engine.connector.num_leased_blocks() == 0, timeout_s=8.0)
+        for loop, spare in ((producer, p_spare), (consumer, d_spare)):
+            pool = loop.engine.pool
+            full = [pool.cached[h] for h in pool.block_hashes(_probe(prompt), 2)]
+            assert set(full) <= set(pool.spare if spare else pool.free), (loop is producer, spare)
+
+
+def _probe(prompt):
+    from pdserve.engine.request import Request
+    return Request("probe", prompt, SamplingParams(), (), 1)

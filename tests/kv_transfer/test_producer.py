@@ -13,6 +13,10 @@ from pdserve.kv_transfer.transfer_state import TransferState
 from pdserve.kv_transfer.params import KVTransferParams, prompt_hash
 
 
+def _free(instance) -> set[int]:
+    return set(instance.pool.free) | set(instance.pool.spare)
+
+
 def test_hand_off_keeps_the_prompts_blocks_and_answers_with_params(world):
     p = world.instance("P", 2)
     params = p.prefill("req", 10)  # 10 tokens + the first token's slot: 3 blocks, 3 kept
@@ -38,7 +42,7 @@ def test_duplicate_notifications_cannot_free_a_lease_early(world):
     for _ in range(2):
         world.fabric.forge("P/rank0", "D/rank0", note)
     world.run(2)
-    assert not set(params["remote_block_ids"]) & set(p.pool.free)
+    assert not set(params["remote_block_ids"]) & _free(p)
     world.fabric.duplicate_notifications = True
     d.admit("r1", 9)
     world.run()
@@ -59,11 +63,11 @@ def test_a_lease_waits_for_every_expected_read(world):
     for _ in range(3):  # the same read reported three times
         producer.process_notifications([done0], 0)
     p.step()
-    assert not set(params["remote_block_ids"]) & set(p.pool.free)
+    assert not set(params["remote_block_ids"]) & _free(p)
     done1 = ReceivedNotification(1, "D/rank0", Notification("p1", "D", 0, 1, NotificationKind.DONE))
     producer.process_notifications([done1], 0)
     p.step()
-    assert set(params["remote_block_ids"]) <= set(p.pool.free)
+    assert set(params["remote_block_ids"]) <= _free(p)
 
 
 def test_release_frees_at_once_and_only_for_the_lease_owner(world):
@@ -74,7 +78,7 @@ def test_release_frees_at_once_and_only_for_the_lease_owner(world):
     assert producer._handle(Heartbeat("D", 1, ["p1"], [digest])).alive == [True]
     assert producer._handle(Release("intruder", ["p1"], "x")) == ReleaseAck(0)
     p.step()
-    assert not set(params["remote_block_ids"]) & set(p.pool.free)
+    assert not set(params["remote_block_ids"]) & _free(p)
     assert producer._handle(Release("D", ["p1"], "client left")) == ReleaseAck(1)
     p.step()
     assert p.pool.num_free_blocks == p.pool.num_blocks

@@ -7,6 +7,10 @@ instance's model key and the request's `cache_salt`), the same in every process;
 holds a hash, so what the pool reports through `on_events` (stored, removed, cleared) is exactly
 the set of hashes it caches. Quarantined blocks (an expired P/D lease) are neither free nor owned
 until their release time passes.
+
+Free blocks wait in two LRU lists, reused in this order: `spare` (blocks caching nothing, and spare
+copies: KV another instance keeps, as the kv-aware proxy arranges so that P/D does not cache a
+prompt twice) and `free` (the cache proper). A block a request wanted kept stays kept while cached.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ class CachedBlock:
     extra_keys: tuple[str, ...]
 
 
+UNDECIDED, KEPT, SPARE = 0, 1, 2  # a cached block's copy, as the requests that released it said
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  model_key: str = "", on_events: Callable[[list[Event]], None] | None = None):
@@ -44,7 +51,9 @@ class BlockPool:
         self.on_events = on_events  # each operation's events, in order (the engine thread)
         self.ref_counts = [0] * num_blocks
         self.entries: list[CachedBlock | None] = [None] * num_blocks
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict()  # cached blocks no request owns, LRU first
+        self.spare: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # reused first
+        self.copy = bytearray(num_blocks)  # UNDECIDED, KEPT or SPARE, until the block is reused
         self.cached: dict[bytes, int] = {}  # hash -> the one block holding it
         self.quarantine: list[tuple[float, list[int]]] = []  # (release time, blocks)
 
@@ -52,7 +61,12 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self.free) + len(self.spare)
+
+    @property
+    def num_spare_blocks(self) -> int:
+        """Free blocks reused first: spare copies and blocks caching nothing."""
+        return len(self.spare)
 
     @property
     def num_quarantined_blocks(self) -> int:
@@ -157,15 +171,16 @@ class BlockPool:
         """Add one owner to each block (prefix-cache hits); a free block leaves the free list."""
         for b in block_ids:
             if self.ref_counts[b] == 0:
-                del self.free[b]
+                (self.spare if b in self.spare else self.free).pop(b)
             self.ref_counts[b] += 1
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self.free):
-            raise NoFreeBlocksError(f"need {n} blocks, {len(self.free)} free")
+        if n > self.num_free_blocks:
+            raise NoFreeBlocksError(f"need {n} blocks, {self.num_free_blocks} free")
         blocks, removed = [], []
         for _ in range(n):
-            b, _ = self.free.popitem(last=False)
+            b, _ = (self.spare or self.free).popitem(last=False)
+            self.copy[b] = UNDECIDED
             entry = self.entries[b]
             if entry is not None:  # the least recently used free block: its cached KV goes
                 del self.cached[entry.block_hash]
@@ -177,14 +192,27 @@ class BlockPool:
             self.on_events([BlockRemoved(block_hashes=removed)])
         return blocks
 
-    def release(self, block_ids: list[int]) -> None:
+    def release(self, block_ids: list[int], spare: bool | None = None) -> None:
         """Drop one owner of each block; blocks are released tail first, so the prefix stays cached
-        longest (the free list is LRU)."""
+        longest (the free lists are LRU). `spare`: the owner's word on its copy (`mark`); None
+        leaves it as it was (a lease, a pin, a preempted request)."""
+        if spare is not None:
+            self.mark(block_ids, spare)
         for b in reversed(block_ids):
             assert self.ref_counts[b] > 0, f"block {b} released twice"
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free[b] = None
+                spare_list = self.entries[b] is None or self.copy[b] == SPARE
+                (self.spare if spare_list else self.free)[b] = None
+
+    def mark(self, block_ids: list[int], spare: bool) -> None:
+        """An owner says whether its blocks are a spare copy (another instance keeps that KV) or to
+        be kept; kept wins over spare while the block stays cached."""
+        for b in block_ids:
+            if not spare:
+                self.copy[b] = KEPT
+            elif self.copy[b] != KEPT:
+                self.copy[b] = SPARE
 
     def quarantine_blocks(self, block_ids: list[int], until: float) -> None:
         """Keep blocks out of reuse until `until` (monotonic): a late READ of an expired lease must

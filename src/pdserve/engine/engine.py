@@ -226,6 +226,8 @@ class Engine:
                 FirstToken(request.output_token_ids[0], first.logprob if first else None,
                            tuple(first.top) if first and first.top is not None else None),
                 tuple(wire_hash(h) for h in self.pool.block_hashes(request, full)), request.num_cached_tokens)
+        if handoff and request.spare_copy:  # its lease's blocks are freed later, as a spare copy
+            self.pool.mark(handoff.block_ids, spare=True)
         self.scheduler.finish(request, status, handoff.block_ids if handoff else ())
         self.connector.request_finished(request.request_id)
         return handoff.params if handoff else None
@@ -353,6 +355,7 @@ class Engine:
             "num_waiting_for_remote_kv": len(self.scheduler.loading),
             "num_blocks": self.num_blocks,
             "num_free_blocks": self.pool.num_free_blocks,
+            "num_spare_blocks": self.pool.num_spare_blocks,
             "num_quarantined_blocks": self.pool.num_quarantined_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_prompt_tokens": self.num_prompt_tokens,

@@ -93,6 +93,11 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def spare_copy(self) -> bool:
+        """The proxy said another instance keeps this prompt's KV: its blocks are reused first."""
+        return self.kv_transfer is not None and self.kv_transfer.spare_copy
+
+    @property
     def is_finished(self) -> bool:
         return self.status.finished
 

@@ -71,7 +71,7 @@ class Scheduler:
         keep = set(keep_block_ids)
         release = [b for b in request.block_ids if b not in keep]
         if release:
-            self.pool.release(release)
+            self.pool.release(release, spare=request.spare_copy)
         request.block_ids = []
         self.requests.pop(request.request_id, None)
         if request.sent_to_workers:

@@ -102,6 +102,9 @@ class KVTransferParams:
     expires_at: float | None = None  # wall clock: the consumer must accept the params before
     signature: str | None = None  # the producer's HMAC over every other field (signing.py)
     kv_holders: tuple[Holder, ...] = ()  # proxy -> P: instances to claim the prompt's blocks from
+    spare_copy: bool = False  # proxy -> P or D: another instance keeps this prompt's KV, so the blocks
+    # this one caches of it are a spare copy, reused before the rest of its cache (never signed: it
+    # only orders this instance's own evictions)
 
     @classmethod
     def parse(cls, obj: Any) -> "KVTransferParams | None":
@@ -130,6 +133,7 @@ class KVTransferParams:
             expires_at=p.float("expires_at", lo=0.0, hi=1e11),
             signature=p.hex("signature", 64),
             kv_holders=p.holders("kv_holders"),
+            spare_copy=p.bool("spare_copy"),
         )
         if params.do_remote_decode and params.do_remote_prefill:
             raise InvalidRequestError(f"{FIELD}.do_remote_prefill",

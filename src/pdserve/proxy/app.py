@@ -20,6 +20,7 @@ from pdserve.http.errors import APIError, install_handlers
 from pdserve.http.heap_metrics import HeapMetrics
 from pdserve.http.middleware import BodyLimit, RequestContext
 from pdserve.http.version import version
+from pdserve.proxy.copies import Copies
 from pdserve.proxy.decision import DisaggPolicy
 from pdserve.proxy.flow import PDFlow
 from pdserve.proxy.kv_index import KVIndex
@@ -38,8 +39,9 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     index = KVIndex(config.upstream_api_key, config.kv_events_drop_fraction, config.kv_events_drop_seed) \
         if config.routing == "kv-aware" else None
+    copies = Copies() if index is not None and config.kv_copies == "one" else None
     router = Router([upstream(u) for u in config.prefill_urls], [upstream(u) for u in config.decode_urls],
-                    config.probe_interval_s, config.routing, index)
+                    config.probe_interval_s, config.routing, index, copies)
     prompts = PromptTokens(config.tokenizer, config.chat_template) if config.tokenizer else None
     metrics = ProxyMetrics()
     collections = PauseTimer()

@@ -31,6 +31,7 @@ import time
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.http.errors import APIError
+from pdserve.proxy.copies import DECODE, PREFILL
 from pdserve.proxy.decision import LOCAL, REMOTE, DisaggPolicy, prompt_tokens
 from pdserve.proxy.fanout import PromptScores, discard, merge, num_samples, respond, split_prompts, wants_scores
 from pdserve.proxy.metrics import ProxyMetrics
@@ -134,6 +135,8 @@ class PDFlow:
             else self._decide(body, plan)
         self.metrics.decisions.labels(decision).inc()
         headers["X-PD-Decision"] = decision
+        spare = self.router.copies.spare(plan.block_hashes, decision == LOCAL) \
+            if self.router.copies is not None and protocol == "pdserve" else None
         if decision == LOCAL:  # decode prefills it itself
             self.metrics.requests.labels("decode_only").inc()
             return await self.legs.answer(self.router.decode, path, body, headers, start, prefills=True,
@@ -147,6 +150,8 @@ class PDFlow:
         if protocol == "pdserve" and holders:
             # instances that may cache this prompt (a history, a shared system prompt): the producer claims it there
             p_body["kv_transfer_params"] = {**PREFILL_PARAMS, "kv_holders": holders}
+        if spare == PREFILL:  # decode keeps the prompt's KV; the producer's copy is reused first
+            p_body["kv_transfer_params"] = {**p_body["kv_transfer_params"], "spare_copy": True}
         if protocol == "vllm":
             p_body["max_tokens"] = 1
             if "max_completion_tokens" in p_body:
@@ -176,6 +181,8 @@ class PDFlow:
         scores = PromptScores(p_json, body) if kv and wants_scores(body) else None
         d_body = {k: v for k, v in body.items() if k != "prompt_logprobs"} if scores else body
         producer.upstream.hold()  # its client stays open while its lease may have to go back
+        if kv and spare == DECODE:  # the producer keeps the prompt's KV; decode's copy is reused first
+            kv = {**kv, "spare_copy": True}
         try:
             response = await self.legs.answer(self.router.decode, path, {**d_body, "kv_transfer_params": kv}
                                               if kv else body, headers, start, rank=plan.decode)

@@ -51,6 +51,8 @@ class Placement:
     holders: list[UpstreamState] = dataclasses.field(default_factory=list)  # healthy instances a producer
     # may claim the prompt's blocks from: any caching some, best first, but the chosen producer (kv-aware);
     # else decode instances, least loaded first
+    block_hashes: list[int] = dataclasses.field(default_factory=list)  # kv-aware: the prompt's full
+    # blocks as the first decode candidate hashes them (what copies.py remembers a conversation by)
 
 
 def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | None = None) -> Placement:
@@ -101,7 +103,8 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
     computer = first if is_local else (prefill[0] if prefill else None)
     if computer is not None:  # siblings that follow soon find the prompt there (before the index does)
         cached.computing(computer, now + COMPUTING_S + (local_s(computer) if is_local else producer_s(computer)))
-    return Placement(decode, prefill, n, n - cached(first) if first is not None else n, is_local, holders)
+    hashes = cached.of(first) if first is not None else []
+    return Placement(decode, prefill, n, n - cached(first) if first is not None else n, is_local, holders, hashes)
 
 
 def _ranked(rotated: list[UpstreamState], seconds) -> list[UpstreamState]:
@@ -137,7 +140,7 @@ class _Cached:
 
     def __call__(self, state: UpstreamState) -> int:
         if state.url not in self._memo:
-            held, hashes = self.held(state), self._of(state)
+            held, hashes = self.held(state), self.of(state)
             blocks = held // _block_size(state)
             while blocks < len(hashes) and state.computing.get(hashes[blocks], 0) > self.now:
                 blocks += 1
@@ -146,7 +149,7 @@ class _Cached:
 
     def held(self, state: UpstreamState) -> int:
         if state.url not in self._held:
-            hashes = self._of(state)
+            hashes = self.of(state)
             self._held[state.url] = self.router.index.cached_blocks(state.url, hashes) * _block_size(state) \
                 if hashes else 0
         return self._held[state.url]
@@ -154,10 +157,10 @@ class _Cached:
     def computing(self, state: UpstreamState, until: float) -> None:
         """The prompt's blocks `state` lacks are being computed there until `until` (forgotten after)."""
         state.computing = {h: t for h, t in state.computing.items() if t > self.now}
-        for h in self._of(state)[self(state) // _block_size(state):]:
+        for h in self.of(state)[self(state) // _block_size(state):]:
             state.computing[h] = until
 
-    def _of(self, state: UpstreamState) -> list[int]:
+    def of(self, state: UpstreamState) -> list[int]:
         info = state.prefix_cache
         if info is None or not info.enabled:
             return []

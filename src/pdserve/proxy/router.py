@@ -18,6 +18,7 @@ import time
 from typing import Callable
 
 from pdserve.health import PrefixCacheInfo
+from pdserve.proxy.copies import Copies
 from pdserve.proxy.kv_index import KVIndex
 from pdserve.proxy.policy import POLICIES, order
 from pdserve.proxy.upstream import Upstream
@@ -153,10 +154,11 @@ async def retire(state: UpstreamState, poll_s: float = 0.5, limit_s: float = 360
 
 class Router:
     def __init__(self, prefill: list[Upstream], decode: list[Upstream], probe_interval_s: float = 1.0,
-                 policy: str = "least-loaded", index: KVIndex | None = None):
+                 policy: str = "least-loaded", index: KVIndex | None = None, copies: Copies | None = None):
         assert policy in POLICIES, policy
         self.policy = policy
         self.index = index
+        self.copies = copies  # kv-aware: which pool keeps a disaggregated prompt's KV (copies.py)
         self.prefill = Pool("prefill", prefill, index)
         self.decode = Pool("decode", decode, index)
         self.probe_interval_s = probe_interval_s

@@ -46,6 +46,8 @@ class ServerMetrics:
             ("num_requests_waiting", "Requests queued for prefill."),
             ("num_requests_waiting_for_remote_kv", "P/D consumer requests waiting for their KV."),
             ("kv_blocks_free", "Free KV blocks."),
+            ("kv_blocks_spare", "Free KV blocks reused first: caching nothing, or a spare copy of KV "
+                                "another instance keeps (kv_transfer_params.spare_copy)."),
             ("kv_blocks_used", "KV blocks in use (owned, leased or quarantined)."),
             ("kv_blocks_quarantined", "KV blocks of expired leases kept out of reuse."),
             ("kv_cache_usage_perc", "Fraction of KV blocks in use."),
@@ -103,6 +105,7 @@ class ServerMetrics:
         g["num_requests_waiting_for_remote_kv"].labels(m).set(stats["num_waiting_for_remote_kv"])
         free, total = stats["num_free_blocks"], stats["num_blocks"]
         g["kv_blocks_free"].labels(m).set(free)
+        g["kv_blocks_spare"].labels(m).set(stats.get("num_spare_blocks", 0))
         g["kv_blocks_used"].labels(m).set(total - free)
         g["kv_blocks_quarantined"].labels(m).set(stats["num_quarantined_blocks"])
         g["kv_cache_usage_perc"].labels(m).set((total - free) / total)

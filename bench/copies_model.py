@@ -1,0 +1,127 @@
+"""An offline model of which copy of a disaggregated prompt's KV to keep (proxy/copies.py), on
+bench/routing.py's conversation trace: 4 producers and 4 decode instances, each an LRU cache of
+`--num-blocks` 16-token blocks with a spare list evicted first, no timing.
+
+    .venv/bin/python bench/copies_model.py [--rows 800] [--num-blocks 384]
+
+A request hits the longest prefix any instance caches (producers claim from every instance).
+Decode goes where the prompt's history is, else takes turns; producers take turns (a pull makes
+them alike). The producer caches the prompt, decode the prompt and its answer (whose tokens the
+next turn does not repeat in this trace). Rules, each printed with its hit rate and the one LRU
+cache of all the blocks beside them:
+
+  both        both copies kept (--kv-copies both)
+  keep-P      the decode copy always spare; keep-D the producer's
+  per-request the kept copy alternates request by request
+  one         pdserve's: alternates by conversation, a turn keeps its history's pool
+  one+move    and the instance that lends a history to another producer makes its copy spare
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from pdserve.bench.trace import conversation_trace  # noqa: E402
+
+BLOCKS_PER_ID = 4  # bench/routing.py: 64 tokens per hash id, 16 per block
+
+
+class Cache:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.kept: OrderedDict[int, None] = OrderedDict()
+        self.spare: OrderedDict[int, None] = OrderedDict()  # evicted first
+
+    def prefix(self, blocks: list[int]) -> int:
+        return next((i for i, b in enumerate(blocks) if b not in self.kept and b not in self.spare), len(blocks))
+
+    def put(self, blocks: list[int], spare: bool) -> None:
+        for b in reversed(blocks):  # tail first: the head is evicted last
+            if spare and b in self.kept:  # kept wins while cached
+                self.kept.move_to_end(b)
+                continue
+            self.kept.pop(b, None)
+            self.spare.pop(b, None)
+            (self.spare if spare else self.kept)[b] = None
+        while len(self.kept) + len(self.spare) > self.capacity:
+            (self.spare or self.kept).popitem(last=False)
+
+    def demote(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self.kept.pop(b, 0) is None:
+                self.spare[b] = None
+
+
+def chain(hash_ids: list[int]) -> list[int]:
+    out, parent = [], 0
+    for h in hash_ids:
+        for i in range(BLOCKS_PER_ID):
+            parent = hash((parent, h, i))
+            out.append(parent)
+    return out
+
+
+def replay(rows: list[dict], capacity: int, rule: str) -> float:
+    producers, decodes = [Cache(capacity) for _ in range(4)], [Cache(capacity) for _ in range(4)]
+    answers = itertools.count(1 << 62)
+    keeper: dict[int, bool] = {}  # a prompt's last block -> whether the producer keeps it
+    hit = total = turn = conversations = 0
+    for row in rows:
+        blocks = chain(row["hash_ids"])
+        total += len(blocks)
+        hit += max(c.prefix(blocks) for c in producers + decodes)
+        d = max(decodes, key=lambda c: c.prefix(blocks))
+        d = d if d.prefix(blocks) else decodes[turn % 4]
+        p = producers[turn % 4]
+        turn += 1
+        if rule in ("one", "one+move"):
+            keep_p = next((keeper[b] for b in reversed(blocks) if b in keeper), None)
+            if keep_p is None:
+                conversations += 1
+                keep_p = conversations % 2 == 0
+            keeper[blocks[-1]] = keep_p
+        else:
+            keep_p = {"both": None, "keep-P": True, "keep-D": False, "per-request": turn % 2 == 0}[rule]
+        if rule == "one+move" and keep_p:
+            lender = max((c for c in producers + decodes if c is not p), key=lambda c: c.prefix(blocks))
+            if lender.prefix(blocks) > p.prefix(blocks):
+                lender.demote(blocks[:lender.prefix(blocks)])
+        answer = [next(answers) for _ in range(row["output_length"] // 16)]
+        p.put(blocks, spare=keep_p is False)
+        d.put(blocks + answer, spare=keep_p is True)
+    return hit / total
+
+
+def lru(rows: list[dict], capacity: int) -> float:
+    cache, hit, total = Cache(capacity), 0, 0
+    for row in rows:
+        blocks = chain(row["hash_ids"])
+        total += len(blocks)
+        hit += cache.prefix(blocks)
+        cache.put(blocks, spare=False)
+    return hit / total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=800)
+    p.add_argument("--num-blocks", type=int, default=384, help="blocks per instance")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    rows = conversation_trace(args.rows, args.seed)
+    bound = lru(rows, 8 * args.num_blocks)
+    print(f"one LRU cache of {8 * args.num_blocks} blocks: {bound:.3f}; of {4 * args.num_blocks}: "
+          f"{lru(rows, 4 * args.num_blocks):.3f}")
+    for rule in ("both", "keep-P", "keep-D", "per-request", "one", "one+move"):
+        rate = replay(rows, args.num_blocks, rule)
+        print(f"{rule:12} hit rate {rate:.3f} ({rate / bound:.3f} of the bound)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""One kept copy per disaggregated prompt, through the proxy's flow on fake instances: with kv-aware
+routing the proxy tells the producer or the decode instance that its copy is the spare
+(`kv_transfer_params.spare_copy`), the same one for every turn of a conversation, never both, and
+only with `--kv-copies one` (the default)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from test_flow_decision import FakeInstance, _drain, _never_gone
+
+from pdserve.health import PrefixCacheInfo
+from pdserve.proxy.copies import Copies
+from pdserve.proxy.flow import PDFlow
+from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.router import Router
+
+
+class EmptyIndex:
+    def cached_blocks(self, url: str, hashes: list[int]) -> int:
+        return 0
+
+    def drop(self, url: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Ids:
+    def ids(self, body: dict, path: str) -> list[int]:
+        return body["prompt"]
+
+
+def _run(copies: Copies | None) -> list[tuple[bool, bool]]:
+    """Two conversations of three turns each; per request, whether the producer's and the decode
+    instance's params said spare_copy."""
+    async def main():
+        prefill, decode = FakeInstance("http://p"), FakeInstance("http://d")
+        decode.gate.set()
+        decode.done.set()
+        router = Router([prefill], [decode], policy="kv-aware", index=EmptyIndex(), copies=copies)
+        for s in router.prefill.states + router.decode.states:
+            s.prefix_cache = PrefixCacheInfo(model_key="m", block_size=16)
+        flow = PDFlow(router, ProxyMetrics(), protocol="pdserve", prompts=Ids())
+        out = []
+        for turn in range(3):
+            for conversation in (1, 2):
+                prompt = [conversation] * 16 * (turn + 2)  # each turn extends the last by a block
+                body = {"prompt": prompt, "max_tokens": 8, "stream": True}
+                response = await flow.handle(json.dumps(body).encode(), "/v1/completions", "r", _never_gone)
+                assert response.headers["X-PD-Decision"] == "remote"
+                await _drain(response.body_iterator)
+                out.append((bool(prefill.bodies[-1]["kv_transfer_params"].get("spare_copy")),
+                            bool(decode.bodies[-1]["kv_transfer_params"].get("spare_copy"))))
+        return out
+    return asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_each_conversation_keeps_one_copy_in_one_pool_turn_after_turn():
+    said = _run(Copies())
+    assert all(p != d for p, d in said)  # exactly one of the two copies is the spare
+    first, second = said[0::2], said[1::2]
+    assert len(set(first)) == 1 and len(set(second)) == 1  # a conversation keeps its pool
+    assert first[0] != second[0]  # new conversations alternate between the pools
+
+
+def test_both_copies_are_kept_alike_when_asked():
+    assert _run(None) == [(False, False)] * 6
