@@ -12,8 +12,8 @@ benchmark is about prefill and TTFT, and eight instances stepping through long a
 this machine's two cores busy with the engines' own overhead. Per policy: the prefix hit rate
 (prompt tokens no instance computed) beside what one LRU cache of all the instances' blocks would
 reach on the same requests, how evenly the load spread (busiest over mean: prompt tokens a producer
-computed, tokens a decode instance generated), the proxy's
-P/D decisions and TTFT p50/p90. Results: bench/results/routing.json.
+computed, tokens a decode instance generated), the proxy's P/D decisions and TTFT p50/p90.
+Results: bench/results/routing.json.
 """
 
 from __future__ import annotations
