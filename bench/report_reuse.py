@@ -78,10 +78,10 @@ def routing(r: dict) -> list[str]:
     p90 = ", ".join(f"{k} {v}×" for k, v in s.get("ttft_p90_over_kv_aware", {}).items())
     lines += ["", f"kv-aware reaches {s['hit_rate_over_lru_bound']} of the LRU bound (target ≥ 0.9); busiest ÷ mean "
                   f"{s['kv_aware_busiest_over_mean']} (target ≤ 1.15); TTFT p90 over kv-aware's: {p90} (target ≥ 2 "
-                  "for least-loaded). The gap to the bound: P/D keeps a prompt on its producer and on its decode "
-                  "instance both, and running requests' blocks (prompt and answer) are not cache; one LRU cache of "
-                  "the same size counts neither. Least-loaded is as fast as kv-aware here because its producers "
-                  "still claim what other instances hold; without that (`no-pulls`) it computes 40 % more.",
+                  "for least-loaded). The gap to the bound: running requests' blocks (prompt and answer) are not cache "
+                  "and decode also caches answers this trace never repeats; one LRU cache counts neither. Least-loaded "
+                  "is close to kv-aware here because its producers still claim what other instances hold; without "
+                  "that (`no-pulls`) it computes far more.",
               "", "![routing policies side by side](bench/results/routing.png)"]
     return lines
 

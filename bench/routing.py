@@ -11,8 +11,10 @@ holds ~4.5 % of the trace's unique blocks (`--num-blocks`). Answers are short (1
 benchmark is about prefill and TTFT, and eight instances stepping through long answers would keep
 this machine's two cores busy with the engines' own overhead. Per policy: the prefix hit rate
 (prompt tokens no instance computed) beside what one LRU cache of all the instances' blocks would
-reach on the same requests, how evenly the load spread (busiest over mean: prompt tokens a producer
-computed, tokens a decode instance generated), the proxy's P/D decisions and TTFT p50/p90.
+reach on the same requests and (kv-aware) the share of prompt tokens some instance held when the
+proxy placed the request (what routing could have reused), how evenly the load spread (busiest over
+mean: prompt tokens a producer computed, tokens a decode instance generated), the proxy's P/D
+decisions and TTFT p50/p90.
 Results: bench/results/routing.json.
 """
 
@@ -31,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+from pdserve.bench.machine import busy_cores  # noqa: E402
 from pdserve.bench.trace import conversation_trace  # noqa: E402
 from pdserve.cli import ensure_model  # noqa: E402
 
@@ -53,6 +56,7 @@ def run_up(model: str, policy: str, up_args: list[str], bench_args: list[str], w
     tokens (`computed`), how evenly each pool computed them (`busiest_over_mean`) and the proxy's
     P/D decisions."""
     name = f"{policy}-{len(list(work.glob('*.up.log')))}"
+    busy = busy_cores()  # what else ran: numbers from a busy machine are not comparable
     port_file = work / f"{name}.port"
     up = subprocess.Popen(
         [*PDSERVE, "up", model, "--routing", policy, "--port", "0", "--port-file", str(port_file),
@@ -81,7 +85,11 @@ def run_up(model: str, policy: str, up_args: list[str], bench_args: list[str], w
         generated = {u: metric_sum(u, counters[1]) - before[u, counters[1]] for u in instances["decode"]}
         bench["decisions"] = {d: metric_sum(proxy, f'pdserve_proxy:pd_decisions_total{{decision="{d}"}}')
                               for d in ("local", "remote")}
+        placed = metric_sum(proxy, "pdserve_proxy:prompt_tokens_placed_total")
+        bench["cached_anywhere_rate"] = round(
+            metric_sum(proxy, "pdserve_proxy:prompt_tokens_cached_anywhere_total") / placed, 4) if placed else None
         bench["computed"] = tokens
+        bench["busy_cores_before"] = None if busy is None else round(busy, 2)
         bench["generated"] = generated
         # load: prompt tokens a producer computed, tokens a decode instance generated (its local
         # prefills, a small share of its work, are in `computed`)
@@ -114,9 +122,10 @@ def run_policy(model: str, policy: str, trace: Path, args, work: Path) -> dict:
             "completed": bench.get("completed"), "failed": bench.get("failed"),
             "prefix_hit_rate": bench.get("prefill_hit_rate"), "lru_bound_hit_rate": bench.get("lru_bound_hit_rate"),
             "unbounded_cache_hit_rate": bench.get("unbounded_cache_hit_rate"),
+            "cached_anywhere_rate": bench["cached_anywhere_rate"],
             "busiest_over_mean": bench["busiest_over_mean"], "prompt_tokens_computed_by_instance": bench["computed"],
             "tokens_generated_by_decode_instance": bench["generated"],
-            "decisions": bench["decisions"]}
+            "decisions": bench["decisions"], "busy_cores_before": bench["busy_cores_before"]}
 
 
 def plot(out: dict, path: Path) -> None:

@@ -61,7 +61,8 @@ def main() -> None:
                    "failed": bench.get("failed"), "ttft_p50_ms": round(bench["median_ttft_ms"], 1),
                    "ttft_p90_ms": round(bench["p90_ttft_ms"], 1),
                    "history_from_cache": history_from_cache(bench, args.sessions, args.turns),
-                   "decisions": bench["decisions"], "computed": bench["computed"]}
+                   "decisions": bench["decisions"], "computed": bench["computed"],
+                   "busy_cores_before": bench["busy_cores_before"]}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "computed"}), flush=True)
     summary = {}

@@ -125,6 +125,9 @@ class PDFlow:
         protocol = await self.upstream_protocol()
         ids = self.prompts.ids(body, path) if self.prompts is not None else None
         plan = place(self.router, ids, body.get("cache_salt"))
+        if plan.cached_anywhere is not None:
+            self.metrics.prompt_tokens.inc(plan.num_tokens)
+            self.metrics.prompt_tokens_cached.inc(plan.cached_anywhere)
         n = num_samples(body)
         if _max_tokens(body) == 0 or (protocol == "pdserve" and _max_tokens(body) == 1):  # nothing to decode
             self.metrics.requests.labels("prefill_only").inc()

@@ -42,6 +42,14 @@ class ProxyMetrics:
             "pdserve_proxy:prompt_token_mismatches",
             "Prompts the proxy tokenized to another length than the producer counted (another template "
             "or tokenizer: routing by blocks misses; answers are unaffected).", registry=r)
+        self.prompt_tokens = Counter(
+            "pdserve_proxy:prompt_tokens_placed",
+            "Prompt tokens of requests placed by the KV index (kv-aware routing, prompt tokenized).", registry=r)
+        self.prompt_tokens_cached = Counter(
+            "pdserve_proxy:prompt_tokens_cached_anywhere",
+            "Of those, the longest prefix any one instance cached when the request was placed: the hit "
+            "rate routing could reach at most, beside the instances' own (prompt tokens not computed).",
+            registry=r)
         self.healthy = Gauge("pdserve_proxy:upstream_healthy", "1 if the instance answered its last probe.",
                              ["role", "upstream"], registry=r)
 

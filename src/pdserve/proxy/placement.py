@@ -53,6 +53,7 @@ class Placement:
     # else decode instances, least loaded first
     block_hashes: list[int] = dataclasses.field(default_factory=list)  # kv-aware: the prompt's full
     # blocks as the first decode candidate hashes them (what copies.py remembers a conversation by)
+    cached_anywhere: int | None = None  # kv-aware: the most prompt tokens any one instance holds (index)
 
 
 def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | None = None) -> Placement:
@@ -104,7 +105,9 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
     if computer is not None:  # siblings that follow soon find the prompt there (before the index does)
         cached.computing(computer, now + COMPUTING_S + (local_s(computer) if is_local else producer_s(computer)))
     hashes = cached.of(first) if first is not None else []
-    return Placement(decode, prefill, n, n - cached(first) if first is not None else n, is_local, holders, hashes)
+    anywhere = max((cached.held(s) for s in caches), default=0)
+    return Placement(decode, prefill, n, n - cached(first) if first is not None else n, is_local, holders, hashes,
+                     anywhere)
 
 
 def _ranked(rotated: list[UpstreamState], seconds) -> list[UpstreamState]:
