@@ -7,33 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 
-from test_flow_decision import FakeInstance, _drain, _never_gone
+from test_flow_decision import FakeInstance, HeldIndex, Ids, _drain, _never_gone
 
 from pdserve.health import PrefixCacheInfo
 from pdserve.proxy.flow import PDFlow
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.router import Router
-
-
-class HeldIndex:
-    """Each instance caches a fixed number of the prompt's first blocks."""
-
-    def __init__(self, blocks: dict[str, int]):
-        self.blocks = blocks
-
-    def cached_blocks(self, url: str, hashes: list[int]) -> int:
-        return min(self.blocks.get(url, 0), len(hashes))
-
-    def drop(self, url: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Ids:
-    def ids(self, body: dict, path: str) -> list[int]:
-        return body["prompt"]
 
 
 def _placed(policy: str, held: dict[str, int], prompt_tokens: int) -> tuple[float, float]:

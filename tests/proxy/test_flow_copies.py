@@ -8,29 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-from test_flow_decision import FakeInstance, _drain, _never_gone
+from test_flow_decision import FakeInstance, HeldIndex, Ids, _drain, _never_gone
 
 from pdserve.health import PrefixCacheInfo
 from pdserve.proxy.copies import Copies
 from pdserve.proxy.flow import PDFlow
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.router import Router
-
-
-class EmptyIndex:
-    def cached_blocks(self, url: str, hashes: list[int]) -> int:
-        return 0
-
-    def drop(self, url: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Ids:
-    def ids(self, body: dict, path: str) -> list[int]:
-        return body["prompt"]
 
 
 def _run(copies: Copies | None) -> list[tuple[bool, bool]]:
@@ -40,7 +24,7 @@ def _run(copies: Copies | None) -> list[tuple[bool, bool]]:
         prefill, decode = FakeInstance("http://p"), FakeInstance("http://d")
         decode.gate.set()
         decode.done.set()
-        router = Router([prefill], [decode], policy="kv-aware", index=EmptyIndex(), copies=copies)
+        router = Router([prefill], [decode], policy="kv-aware", index=HeldIndex({}), copies=copies)
         for s in router.prefill.states + router.decode.states:
             s.prefix_cache = PrefixCacheInfo(model_key="m", block_size=16)
         flow = PDFlow(router, ProxyMetrics(), protocol="pdserve", prompts=Ids())

@@ -63,6 +63,29 @@ class FakeInstance:
         pass
 
 
+class HeldIndex:
+    """A KV index in which each instance caches a fixed number of the prompt's first blocks."""
+
+    def __init__(self, blocks: dict[str, int]):
+        self.blocks = blocks
+
+    def cached_blocks(self, url: str, hashes: list[int]) -> int:
+        return min(self.blocks.get(url, 0), len(hashes))
+
+    def drop(self, url: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Ids:
+    """Prompts tokenized as they are: a completion's prompt given as token ids."""
+
+    def ids(self, body: dict, path: str) -> list[int]:
+        return body["prompt"]
+
+
 async def _never_gone() -> bool:
     return False
 
