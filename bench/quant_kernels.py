@@ -1,7 +1,7 @@
 """torch's weight-only int8/int4 CPU kernels against the float32 and bfloat16 GEMMs pdserve uses, on
 SmolLM2-135M's 120 projection shapes (30 layers of qkv, o, gate|up, down), one thread.
 
-    .venv/bin/python bench/quant_kernels.py [--out bench/results/quant_kernels.json]
+    .venv/bin/python bench/quant_kernels.py [--out bench/results/quant_kernels.json] [--march haswell]
 
 Milliseconds for all 120 at 1 and 32 rows, best of 3: what chose bfloat16 activations for torch's
 kernels and pdserve's own int8/int4 kernels over torch's (model/linear.py). Random weights; the kernels'
@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+from pdserve.model import kernels  # noqa: E402
 from pdserve.model.linear import Linear, make_linear  # noqa: E402
 from pdserve.model.quant import quantize_int4, quantize_int8  # noqa: E402
 
@@ -45,7 +46,10 @@ def best_ms(fn, repeats: int = 3) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "quant_kernels.json"))
+    parser.add_argument("--march", default="native",
+                        help="build pdserve's kernels for this CPU (haswell: the AVX2 build, measurable on an AVX-512 CPU)")
     args = parser.parse_args()
+    kernels._FLAGS = [f if not f.startswith("-march=") else f"-march={args.march}" for f in kernels._FLAGS]
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g) / k ** 0.5 for n, k in SHAPES]
@@ -57,7 +61,7 @@ def main() -> int:
               "bfloat16 (oneDNN packed)": [Linear(w.bfloat16()) for w in weights],
               "int8, pdserve's kernel (int8 activations)": [make_linear(q, torch.float32) for q in int8],
               "int4, pdserve's kernel (int8 activations)": [make_linear(q, torch.float32) for q in int4]}
-    results = {"threads": 1, "layers": len(SHAPES), "ms": {}}
+    results = {"threads": 1, "layers": len(SHAPES), "march": args.march, "ms": {}}
     for rows in (1, 32):
         xs = {k: torch.randn(rows, k, generator=g) for k in (576, 1536)}
         row = results["ms"][rows] = {}

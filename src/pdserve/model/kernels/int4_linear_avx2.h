@@ -109,13 +109,35 @@ void int4_linear(const float *x, int m, int k, const uint8_t *w, const uint16_t 
     }
 }
 
-/* The int8 layout: per block of 16 rows and group, 8 planes of 64 bytes (codes plus 128). */
+/* The int8 layout: per block of 16 rows and group, 8 planes of 64 bytes (codes plus 128). A plane's
+ * weight-only work (load, the flip back to signed, |w|) is done once and serves every row of the
+ * pass; per row remain the sign transfer, maddubs and the widening add. */
 #define ROWS_PER_PASS 4 /* activation rows per pass over a half block's codes */
+static inline __attribute__((always_inline)) void int8_pass(const uint8_t *wb, const int8_t *xq, const float *dx,
+                                                             int k, int groups, int rows, __m256 *acc) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    for (int j = 0; j < rows; j++) acc[j] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *wg = wb + (size_t)g * 512;
+        __m256i d[ROWS_PER_PASS];
+        for (int j = 0; j < rows; j++) d[j] = _mm256_setzero_si256();
+        for (int i = 0; i < 8; i++) {
+            const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + i * 64)), flip);
+            const __m256i aw = _mm256_abs_epi8(w);
+            for (int j = 0; j < rows; j++) {
+                const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(splat4(xq + (size_t)j * k + g * 32 + 4 * i), w));
+                d[j] = _mm256_add_epi32(d[j], _mm256_madd_epi16(p, ones));
+            }
+        }
+        for (int j = 0; j < rows; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[j]), _mm256_set1_ps(dx[(size_t)j * groups + g]), acc[j]);
+    }
+}
+
 void int8_linear(const float *x, int m, int k, const uint8_t *w, const float *scales, int n, float *y,
                  int8_t *xq, float *dx, float *t, int nthreads) {
     const int groups = k / 32, halves = n / 8;
     quantize(x, m, k, xq, dx, t);
-    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && halves > 1)
     for (int nh = 0; nh < halves; nh++) {
         const uint8_t *wb = w + (size_t)(nh / 2) * groups * 512 + (nh % 2) * 32;
@@ -123,26 +145,12 @@ void int8_linear(const float *x, int m, int k, const uint8_t *w, const float *sc
         for (int r0 = 0; r0 < m; r0 += ROWS_PER_PASS) {
             const int rows = m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS;
             __m256 acc[ROWS_PER_PASS];
-            for (int j = 0; j < ROWS_PER_PASS; j++) acc[j] = _mm256_setzero_ps();
-            for (int g = 0; g < groups; g++) {
-                const uint8_t *wg = wb + (size_t)g * 512;
-                for (int j = 0; j < rows; j++) {
-                    const size_t r = r0 + j;
-                    const int8_t *xg = xq + r * k + g * 32;
-                    __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
-                    for (int i = 0; i < 8; i += 2) {
-                        const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + i * 64)), flip);
-                        const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + i * 64 + 64)), flip);
-                        const __m256i p0 = _mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(splat4(xg + 4 * i), w0));
-                        const __m256i p1 = _mm256_maddubs_epi16(_mm256_abs_epi8(w1),
-                                                                _mm256_sign_epi8(splat4(xg + 4 * i + 4), w1));
-                        d0 = _mm256_add_epi32(d0, _mm256_madd_epi16(p0, ones));
-                        d1 = _mm256_add_epi32(d1, _mm256_madd_epi16(p1, ones));
-                    }
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1)),
-                                             _mm256_set1_ps(dx[r * groups + g]), acc[j]);
-                }
-            }
+            const int8_t *xr = xq + (size_t)r0 * k;
+            const float *dr = dx + (size_t)r0 * groups;
+            if (rows == ROWS_PER_PASS) /* a constant row count: the row loops unroll into registers */
+                int8_pass(wb, xr, dr, k, groups, ROWS_PER_PASS, acc);
+            else
+                int8_pass(wb, xr, dr, k, groups, rows, acc);
             for (int j = 0; j < rows; j++)
                 _mm256_storeu_ps(y + (size_t)(r0 + j) * n + nh * 8, _mm256_mul_ps(s, acc[j]));
         }
