@@ -186,3 +186,13 @@ def test_a_prompt_shorter_than_a_block_is_placed():
     r = router("kv-aware", {})
     plan = place(r, PROMPT[:5])
     assert not plan.local and plan.decode_uncached == 5
+
+
+def test_among_equals_a_history_stays_on_the_instances_that_hold_it():
+    """p0 could pull p1's 128 tokens and d0 read them from the producer about as fast as d1 has them:
+    equal predicted times, but the instances holding the history go first, every time, rather than
+    a copy of it moving to (and being kept on) the next instance in turn."""
+    r = router("kv-aware", {"http://p1": 8, "http://d1": 8})
+    for i in range(4):
+        plan = place(r, PROMPT, now=60.0 * i)
+        assert (plan.prefill[0].url, plan.decode[0].url, plan.local) == ("http://p1", "http://d1", False)

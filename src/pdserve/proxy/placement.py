@@ -87,8 +87,8 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
         lacks_blocks = -(-(n - cached(d)) // _block_size(d))
         return lacks_blocks * TRANSFER_S_PER_BLOCK + _queue_tokens(d) / rate(d)
 
-    prefill = _ranked(router.prefill.rotated(), producer_s)
-    remote = _ranked(router.decode.rotated(), decode_s)
+    prefill = _ranked(router.prefill.rotated(), producer_s, cached)
+    remote = _ranked(router.decode.rotated(), decode_s, cached)
     remote_s = REMOTE_OVERHEAD_S + (producer_s(prefill[0]) if prefill else float("inf")) \
         + (decode_s(remote[0]) if remote else 0)
 
@@ -110,14 +110,17 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
                      anywhere)
 
 
-def _ranked(rotated: list[UpstreamState], seconds) -> list[UpstreamState]:
-    """Healthy first, fastest first; those within NEAR of the fastest count as equal and take turns
-    (rates measured on alike instances differ by noise: the fastest-measured must not draw all)."""
+def _ranked(rotated: list[UpstreamState], seconds, cached) -> list[UpstreamState]:
+    """Healthy first, fastest first; those within NEAR of the fastest count as equal (rates measured
+    on alike instances differ by noise: the fastest-measured must not draw all): the one caching
+    most of the prompt first, so that a history stays where it is rather than being copied to
+    another instance that then keeps it too; equals take turns."""
     ranked = sorted(rotated, key=lambda s: (not s.healthy, seconds(s)))
     if not ranked or not ranked[0].healthy:
         return ranked
     best = seconds(ranked[0])
-    near = [s for s in rotated if s.healthy and seconds(s) <= best * (1 + NEAR) + NEAR_S]
+    near = sorted((s for s in rotated if s.healthy and seconds(s) <= best * (1 + NEAR) + NEAR_S),
+                  key=lambda s: -cached(s))
     return near + [s for s in ranked if s not in near]
 
 
