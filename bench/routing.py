@@ -12,7 +12,8 @@ benchmark is about prefill and TTFT, and eight instances stepping through long a
 this machine's two cores busy with the engines' own overhead. Per policy: the prefix hit rate
 (prompt tokens no instance computed) beside what one LRU cache of all the instances' blocks would
 reach on the same requests and (kv-aware) the share of prompt tokens some instance held when the
-proxy placed the request (what routing could have reused), how evenly the load spread (busiest over
+proxy placed the request (what routing could have reused), how many instances cache each cached
+block at the end (copies: what the caches together hold is their size over this), how evenly the load spread (busiest over
 mean: prompt tokens a producer computed, tokens a decode instance generated), the proxy's P/D
 decisions and TTFT p50/p90.
 Results: bench/results/routing.json.
@@ -48,6 +49,15 @@ def metric_sum(url: str, name: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
                    if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def copies_per_block(proxy: str) -> float | None:
+    """How many instances cache each block some instance caches, on average (the proxy's KV index,
+    settled): 1 when the instances' caches hold distinct KV, 8 when all hold the same."""
+    with urllib.request.urlopen(proxy + "/kv/index?hashes=true", timeout=30) as r:
+        held = [set(h) for h in json.loads(r.read())["instances"].values()]
+    union = set().union(*held) if held else set()
+    return round(sum(map(len, held)) / len(union), 3) if union else None
 
 
 def run_up(model: str, policy: str, up_args: list[str], bench_args: list[str], work: Path) -> dict:
@@ -88,6 +98,7 @@ def run_up(model: str, policy: str, up_args: list[str], bench_args: list[str], w
         placed = metric_sum(proxy, "pdserve_proxy:prompt_tokens_placed_total")
         bench["cached_anywhere_rate"] = round(
             metric_sum(proxy, "pdserve_proxy:prompt_tokens_cached_anywhere_total") / placed, 4) if placed else None
+        bench["copies_per_cached_block"] = copies_per_block(proxy)
         bench["computed"] = tokens
         bench["busy_cores_before"] = None if busy is None else round(busy, 2)
         bench["generated"] = generated
@@ -122,7 +133,7 @@ def run_policy(model: str, policy: str, trace: Path, args, work: Path) -> dict:
             "completed": bench.get("completed"), "failed": bench.get("failed"),
             "prefix_hit_rate": bench.get("prefill_hit_rate"), "lru_bound_hit_rate": bench.get("lru_bound_hit_rate"),
             "unbounded_cache_hit_rate": bench.get("unbounded_cache_hit_rate"),
-            "cached_anywhere_rate": bench["cached_anywhere_rate"],
+            "cached_anywhere_rate": bench["cached_anywhere_rate"], "copies_per_cached_block": bench["copies_per_cached_block"],
             "busiest_over_mean": bench["busiest_over_mean"], "prompt_tokens_computed_by_instance": bench["computed"],
             "tokens_generated_by_decode_instance": bench["generated"],
             "decisions": bench["decisions"], "busy_cores_before": bench["busy_cores_before"]}
@@ -134,7 +145,7 @@ def plot(out: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     results = out["results"]
-    names = [r["policy"].replace("/", "\n") for r in results]
+    names = [r["policy"].replace("/", "\n").replace("-", "-\n") for r in results]
     fig, (hit, ttft, load) = plt.subplots(1, 3, figsize=(13, 3.6))
     hit.bar(names, [r["prefix_hit_rate"] for r in results], color="tab:blue", label="hit rate")
     hit.plot(names, [r["lru_bound_hit_rate"] for r in results], "k_", markersize=40, label="one LRU cache")
