@@ -84,8 +84,8 @@ def routing(r: dict) -> list[str]:
            f"tokens and {kv['prefix_hit_rate']:.1%} were reused: the gap to the bound is what the caches hold, not "
            f"how requests use it. At the end each cached block was cached on {kv['copies_per_cached_block']} "
            "instances on average (a shared system prompt on each instance serving its conversations; a history "
-           "lent to a producer stays on the lender too), where one LRU cache holds it once; running requests' blocks and answers this trace never "
-           "repeats also take room one LRU cache does not count.") if kv.get("copies_per_cached_block") else ""
+           "lent to a producer stays on the lender too), where one LRU cache holds it once; running requests' "
+           "blocks and answers this trace never repeats also take room one LRU cache does not count.") if kv.get("copies_per_cached_block") else ""
     both = by.get("kv-aware/both-copies", {})
     if gap and both.get("copies_per_cached_block"):
         gap += (f" Yet copies are not what holds the hit rate down: keeping both copies, "

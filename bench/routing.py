@@ -13,9 +13,9 @@ this machine's two cores busy with the engines' own overhead. Per policy: the pr
 (prompt tokens no instance computed) beside what one LRU cache of all the instances' blocks would
 reach on the same requests and (kv-aware) the share of prompt tokens some instance held when the
 proxy placed the request (what routing could have reused), how many instances cache each cached
-block at the end (copies: what the caches together hold is their size over this), how evenly the load spread (busiest over
-mean: prompt tokens a producer computed, tokens a decode instance generated), the proxy's P/D
-decisions and TTFT p50/p90.
+block at the end (what the caches together hold is their size over this), how evenly the load
+spread (busiest over mean: prompt tokens a producer computed, tokens a decode instance generated),
+the proxy's P/D decisions and TTFT p50/p90.
 Results: bench/results/routing.json.
 """
 
