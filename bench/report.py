@@ -268,7 +268,8 @@ def main() -> int:
     mt = load("multiturn")
     if mt:
         lines += report_reuse.multiturn(mt, load("multiturn_kv_aware")) + [""]
-    for name in ("pull_breakeven", "kv_events", "index_exactness", "routing", "routing_multiturn", "proxy_tokenize"):
+    for name in ("pull_breakeven", "kv_events", "index_exactness", "routing", "routing_speedup03", "routing_multiturn",
+                 "proxy_tokenize"):
         data = load(name)
         if data is not None:
             lines += getattr(report_reuse, name)(data) + [""]

@@ -1,5 +1,5 @@
 """README lines for the reuse and routing benchmarks (multiturn, pull_breakeven, kv_events,
-index_exactness, routing, routing_multiturn, proxy_tokenize), called by bench/report.py."""
+index_exactness, routing, routing_speedup03, routing_multiturn, proxy_tokenize), called by bench/report.py."""
 
 from __future__ import annotations
 
@@ -97,6 +97,21 @@ def routing(r: dict) -> list[str]:
                   f"that (`no-pulls`) it computes {more} prompt tokens.",
               "", "![routing policies side by side](bench/results/routing.png)"]
     return lines
+
+
+def routing_speedup03(r: dict) -> list[str]:
+    """The same trace on engines 1/0.3 as fast (`--speedup 0.3`): a load where prompts queue."""
+    by = {x["policy"]: x for x in r["results"]}
+    kv = by["kv-aware"]
+    rows = "; ".join(f"{p} {x['prefix_hit_rate']:.1%}, {x['ttft_p50_ms']:.0f} / {x['ttft_p90_ms']:.0f} ms"
+                     for p, x in by.items())
+    p90 = ", ".join(f"{k} {v}×" for k, v in r["summary"].get("ttft_p90_over_kv_aware", {}).items())
+    return [f"Under load (`bench/routing.py --speedup {r['speedup']:g} --policies {','.join(by)} --out "
+            f"bench/results/routing_speedup03.json`: every engine "
+            f"{1 / r['speedup']:.1f}× slower), hit rate and TTFT p50 / p90: {rows}. TTFT p90 over kv-aware's: {p90}; "
+            f"kv-aware's hit rate {kv['prefix_hit_rate'] / kv['lru_bound_hit_rate']:.3f} of the LRU bound. Against a "
+            "cache-blind deployment the queues make the computed tokens count; pdserve's own least-loaded stays "
+            "close because its producers pull."]
 
 
 def routing_multiturn(r: dict) -> list[str]:
