@@ -95,13 +95,15 @@ def formats_elsewhere(f, cpp) -> list[str]:
         out[0] += (f" bfloat16 weights are not measured there: without AVX512-BF16, torch's bfloat16 GEMM ran "
                    f"SmolLM2's projections {slower[0]:.0f}× slower than float32's at one row and {slower[1]:.0f}× "
                    "at 32 (bench/results/quant_kernels_avx2.json).")
-    build = load("quant_kernels_haswell_build")
-    if build:  # the AVX2 build's kernels, measured later on an AVX-512 CPU (`--march haswell`)
-        ms = {rows: build["ms"][rows]["int8, pdserve's kernel (int8 activations)"] for rows in ("1", "32")}
-        out[0] += (f" Since then the AVX2 int8 kernel does a plane's weight work once per 4 rows instead of per row: "
-                   f"SmolLM2's projections in {ms['1']} ms at one row and {ms['32']} ms at 32 (the AVX2 build on an "
-                   "AVX-512 CPU, `bench/quant_kernels.py --march haswell`; the code before it, 05f68ee^, "
-                   "took 8.58 and 58.47 ms on the same shapes, best of 5); the engine figures above predate it.")
+    after, before = load("quant_kernels_haswell_build"), load("quant_kernels_haswell_build_before")
+    if after and before:  # the AVX2 build's kernels, measured later on an AVX-512 CPU (`--march haswell`)
+        def int8(r, rows):
+            return r["ms"][rows]["int8, pdserve's kernel (int8 activations)"]
+        out[0] += (" Since then the AVX2 int8 kernel does a plane's weight work once per 4 rows instead of per row: "
+                   f"SmolLM2's projections in {int8(after, '1')} ms at one row and {int8(after, '32')} ms at 32, "
+                   f"against {int8(before, '1')} and {int8(before, '32')} ms before (05f68ee^), the AVX2 build on an "
+                   "AVX-512 CPU (`bench/quant_kernels.py --march haswell` over each version's kernels: "
+                   "bench/results/quant_kernels_haswell_build*.json); the engine figures above predate it.")
     return [""] + out
 
 

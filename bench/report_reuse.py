@@ -79,17 +79,17 @@ def routing(r: dict) -> list[str]:
     by = {x["policy"]: x for x in r["results"]}
     more = (f"{(1 - by['least-loaded/no-pulls']['prefix_hit_rate']) / (1 - by['least-loaded']['prefix_hit_rate']) - 1:.0%} "
             "more") if "least-loaded" in by and "least-loaded/no-pulls" in by else "more"
-    kv = by["kv-aware"]
-    gap = (f" When kv-aware placed a request, some instance held {kv['cached_anywhere_rate']:.1%} of its prompt "
-           f"tokens and {kv['prefix_hit_rate']:.1%} were reused: the gap to the bound is what the caches hold, not "
-           f"how requests use it. At the end each cached block was cached on {kv['copies_per_cached_block']} "
-           "instances on average (a shared system prompt on each instance serving its conversations; a history "
-           "lent to a producer stays on the lender too), where one LRU cache holds it once; running requests' "
-           "blocks and answers this trace never repeats also take room one LRU cache does not count.") if kv.get("copies_per_cached_block") else ""
-    both = by.get("kv-aware/both-copies", {})
-    if gap and both.get("copies_per_cached_block"):
-        gap += (f" Yet copies are not what holds the hit rate down: keeping both copies, "
-                f"{both['copies_per_cached_block']} instances per cached block, reuses {both['prefix_hit_rate']:.1%}.")
+    kv, both, gap = by["kv-aware"], by.get("kv-aware/both-copies", {}), ""
+    if kv.get("copies_per_cached_block"):
+        gap = (f" When kv-aware placed a request, some instance held {kv['cached_anywhere_rate']:.1%} of its prompt "
+               f"tokens and {kv['prefix_hit_rate']:.1%} were reused: the gap to the bound is what the caches hold, "
+               f"not how requests use it. At the end each cached block was cached on {kv['copies_per_cached_block']} "
+               "instances on average (a shared system prompt on each instance serving its conversations; a history "
+               "lent to a producer stays on the lender too), where one LRU cache holds it once; running requests' "
+               "blocks and answers this trace never repeats also take room one LRU cache does not count.")
+        if both.get("copies_per_cached_block"):
+            gap += (f" Yet copies are not what holds the hit rate down: keeping both copies, "
+                    f"{both['copies_per_cached_block']} instances per cached block, reuses {both['prefix_hit_rate']:.1%}.")
     lines += ["", f"kv-aware reaches {s['hit_rate_over_lru_bound']} of the LRU bound (target ≥ 0.9); busiest ÷ mean "
                   f"{s['kv_aware_busiest_over_mean']} (target ≤ 1.15); TTFT p90 over kv-aware's: {p90} (target ≥ 2 "
                   f"for least-loaded).{gap} Least-loaded "
