@@ -260,7 +260,6 @@ def test_a_short_gap_is_computed_not_pulled():
     assert not out.remote_pulls and out.chunks[0].request_id == "p"
 
 
-
 def test_a_pull_counts_its_prompt_once_and_what_it_read_as_hits():
     s = _pull_scheduler()
     r = _producer("p", PROMPT + [1])
@@ -269,11 +268,13 @@ def test_a_pull_counts_its_prompt_once_and_what_it_read_as_hits():
     assert s.num_prefix_cache_queries == 17 and s.num_prefix_cache_hits == 0
     s.load_ended(r, TransferState.KV_LOADED, num_blocks=2)  # found in the holder's cache
     assert s.num_prefix_cache_hits == 2 * BLOCK_SIZE
+    assert r.num_cached_tokens == 2 * BLOCK_SIZE  # usage's cached_tokens: not computed here
     r2 = _producer("q", [9] * 17)
     s.add(r2)
     s.schedule()
     s.load_ended(r2, TransferState.RECOMPUTING)  # nobody held any: computed here, not asked again
     s.schedule()
+    assert r2.num_cached_tokens == 0
     assert s.num_prefix_cache_queries == 34 and s.num_prefix_cache_hits == 2 * BLOCK_SIZE
 
 

@@ -78,7 +78,7 @@ async def send(client: httpx.AsyncClient, endpoint: str, prompt: list[int] | str
     chat = "chat" in endpoint
     prompt_len = len(prompt) if isinstance(prompt, list) else max(1, len(prompt) // 4)
     start = time.perf_counter()
-    times, output_tokens, text, ids = [], 0, [], []
+    times, output_tokens, text, ids, cached = [], 0, [], [], None
     try:
         async with client.stream("POST", endpoint, json=_body(prompt, output_len, model, chat, token_ids)) as r:
             if r.status_code != 200:
@@ -95,6 +95,7 @@ async def send(client: httpx.AsyncClient, endpoint: str, prompt: list[int] | str
                     return RequestResult(prompt_len, start=start - t0, error=error), []
                 if chunk.get("usage"):
                     output_tokens = chunk["usage"].get("completion_tokens", output_tokens)
+                    cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", cached)
                 choices = chunk.get("choices") or []
                 if choices and not (chat and (choices[0].get("delta") or {}).get("role")):
                     times.append(now)  # a chunk per token (its text may be empty: a partial character)
@@ -111,6 +112,7 @@ async def send(client: httpx.AsyncClient, endpoint: str, prompt: list[int] | str
     result.start = start - t0
     result.generated_text = "".join(text)
     result.pd_decision = decision
+    result.cached_tokens = cached
     return result, ids
 
 

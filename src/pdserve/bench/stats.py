@@ -29,6 +29,7 @@ class RequestResult:
     pd_decision: str | None = None  # where a pdserve proxy had it prefilled (X-PD-Decision)
     session_id: str | None = None
     turn: int | None = None  # its place in its session (0: the first)
+    cached_tokens: int | None = None  # prompt tokens the server did not compute (its usage says)
 
     @property
     def tpot(self) -> float | None:
@@ -108,6 +109,8 @@ def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, f
     out["ttfts"] = [r.ttft for r in results]
     out["itls"] = [r.itls for r in results]
     out["errors"] = [r.error for r in results]
+    out["starts"] = [round(r.start, 4) for r in results]
+    out["cached_tokens"] = [r.cached_tokens for r in results]
     turns = [r.turn for r in ok if r.turn is not None]
     if turns and max(turns) > 0:  # sessions: does a turn with a longer history start later?
         out["median_ttft_ms_by_turn"] = [percentile([r.ttft * 1000 for r in ok if r.turn == t], 50)
