@@ -106,6 +106,26 @@ def test_the_copy_the_proxy_calls_spare_is_freed_to_be_reused_first(pair):
             assert set(full) <= set(pool.spare if spare else pool.free), (loop is producer, spare)
 
 
+def test_a_producer_that_keeps_its_copy_keeps_it_when_a_spare_copy_shares_it(pair):
+    """Its kept copy (a conversation the proxy keeps on producers) stays in the cache proper when a
+    later request whose copy is the spare reuses the same blocks (a shared system prompt, a history
+    another instance now keeps): kept wins, as on decode. Were it demoted, the chain's head would go
+    first and leave its tail cached but unreachable."""
+    producer, consumer = pair
+    prompt = ids(40, seed=20)
+    for i, p_spare in enumerate((False, True)):
+        producer.engine.add_request(f"kp{i}", prompt, SamplingParams(temperature=0, max_tokens=1),
+                                    KVTransferParams.parse({"do_remote_decode": True, "spare_copy": p_spare}))
+        producer.run(lambda i=i: producer.finished(f"kp{i}") and not producer.engine.needs_step())
+        consumer.engine.add_request(f"kd{i}", prompt, SamplingParams(temperature=0, max_tokens=2),
+                                    KVTransferParams.parse(producer.finished(f"kp{i}").kv_transfer_params))
+        consumer.run(lambda i=i: consumer.finished(f"kd{i}"), timeout_s=8.0)
+        producer.run(lambda: producer.engine.connector.num_leased_blocks() == 0, timeout_s=8.0)
+    pool = producer.engine.pool
+    full = [pool.cached[h] for h in pool.block_hashes(_probe(prompt), 2)]
+    assert set(full) <= set(pool.free)
+
+
 def _probe(prompt):
     from pdserve.engine.request import Request
     return Request("probe", prompt, SamplingParams(), (), 1)

@@ -226,8 +226,9 @@ class Engine:
                 FirstToken(request.output_token_ids[0], first.logprob if first else None,
                            tuple(first.top) if first and first.top is not None else None),
                 tuple(wire_hash(h) for h in self.pool.block_hashes(request, full)), request.num_cached_tokens)
-        if handoff and request.spare_copy:  # its lease's blocks are freed later, as a spare copy
-            self.pool.mark(handoff.block_ids, spare=True)
+        if handoff:  # its lease's blocks are freed later: as a spare copy, or kept (kept wins, as
+            # for any request: left undecided, a later spare copy of a shared prefix would demote them)
+            self.pool.mark(handoff.block_ids, spare=request.spare_copy)
         self.scheduler.finish(request, status, handoff.block_ids if handoff else ())
         self.connector.request_finished(request.request_id)
         return handoff.params if handoff else None
