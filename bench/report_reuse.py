@@ -82,19 +82,20 @@ def routing(r: dict) -> list[str]:
     kv, both, gap = by["kv-aware"], by.get("kv-aware/both-copies", {}), ""
     if kv.get("copies_per_cached_block"):
         gap = (f" When kv-aware placed a request, some instance held {kv['cached_anywhere_rate']:.1%} of its prompt "
-               f"tokens and {kv['prefix_hit_rate']:.1%} were reused: the gap to the bound is what the caches hold, "
-               f"not how requests use it. At the end each cached block was cached on {kv['copies_per_cached_block']} "
-               "instances on average (a shared system prompt on each instance serving its conversations; a history "
-               "lent to a producer stays on the lender too), where one LRU cache holds it once; running requests' "
-               "blocks and answers this trace never repeats also take room one LRU cache does not count.")
+               f"tokens and {kv['prefix_hit_rate']:.1%} were reused: what is lost to the bound is what the caches "
+               f"hold, not how requests use it. At the end each cached block was cached on "
+               f"{kv['copies_per_cached_block']} instances on average (a shared system prompt on each instance "
+               "serving its conversations), where one LRU cache holds it once; running requests' blocks and "
+               "answers this trace never repeats also take room one LRU cache does not count.")
         if both.get("copies_per_cached_block"):
-            gap += (f" Yet copies are not what holds the hit rate down: keeping both copies, "
-                    f"{both['copies_per_cached_block']} instances per cached block, reuses {both['prefix_hit_rate']:.1%}.")
+            gap += (f" Keeping both copies of each prompt ({both['copies_per_cached_block']} instances per cached "
+                    f"block) reuses {both['prefix_hit_rate']:.1%}.")
     lines += ["", f"kv-aware reaches {s['hit_rate_over_lru_bound']} of the LRU bound (target ≥ 0.9); busiest ÷ mean "
                   f"{s['kv_aware_busiest_over_mean']} (target ≤ 1.15); TTFT p90 over kv-aware's: {p90} (target ≥ 2 "
                   f"for least-loaded).{gap} Least-loaded "
-                  "is close to kv-aware here because its producers still claim what other instances hold; without "
-                  f"that (`no-pulls`) it computes {more} prompt tokens.",
+                  "routes blind to the caches, but its producers still claim what decode instances hold (the proxy "
+                  "names them, least loaded first, not knowing what they cache); without that (`no-pulls`) it "
+                  f"computes {more} prompt tokens.",
               "", "![routing policies side by side](bench/results/routing.png)"]
     return lines
 
@@ -110,8 +111,8 @@ def routing_speedup03(r: dict) -> list[str]:
             f"bench/results/routing_speedup03.json`: every engine "
             f"{1 / r['speedup']:.1f}× slower), hit rate and TTFT p50 / p90: {rows}. TTFT p90 over kv-aware's: {p90}; "
             f"kv-aware's hit rate {kv['prefix_hit_rate'] / kv['lru_bound_hit_rate']:.3f} of the LRU bound. Against a "
-            "cache-blind deployment the queues make the computed tokens count; pdserve's own least-loaded stays "
-            "close because its producers pull."]
+            "cache-blind deployment the queues make the computed tokens count; pdserve's own least-loaded is "
+            "helped by its producers' pulls."]
 
 
 def routing_multiturn(r: dict) -> list[str]:
