@@ -122,7 +122,22 @@ def kv_dtype(r) -> list[str]:
     return out + ["", "The C decode kernel reads each cache as stored (fp8 with its per-slot scales), widening "
                   "rows to float32 as it loads them; the gain grows with the KV's share of the bytes a step "
                   "reads (the weights stay float32 here), and fp8's widening costs more arithmetic than "
-                  "bfloat16's."] + kv_dtype_elsewhere(load("kv_dtype_int8"))
+                  "bfloat16's."] + kv_dtype_int8_weights(load("kv_dtype_int8_avx512")) \
+        + kv_dtype_elsewhere(load("kv_dtype_int8"))
+
+
+def kv_dtype_int8_weights(r) -> list[str]:
+    """The same bench with int8 weights (the KV a larger share of a step's bytes), on this CPU."""
+    if not r:
+        return []
+    base = r["dtypes"]["float32"]["decode"]
+    spans = "; ".join(f"{name} " + " / ".join(f"{base[b]['step_ms'] / d['decode'][b]['step_ms']:.2f}×" for b in base)
+                      for name, d in r["dtypes"].items() if name != "float32")
+    batches = " / ".join(base)
+    return ["", f"With `--quantization int8` weights (`bench/kv_dtype.py --quantization int8 --out "
+                f"bench/results/kv_dtype_int8_avx512.json`, the same CPU; float32 KV "
+                f"{' / '.join(str(base[b]['step_ms']) for b in base)} ms at batch {batches}), speed-up over float32 KV "
+                f"at batch {batches}: {spans} (target: bfloat16 ≥ 1.5× at a 2,048-token context)."]
 
 
 def kv_dtype_elsewhere(r) -> list[str]:

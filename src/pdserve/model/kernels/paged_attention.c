@@ -25,7 +25,7 @@
 
 #define MAX_CHUNKS 16 /* head_dim up to 256 on the fast path */
 #define GB 4 /* query heads sharing each load of a K or V row */
-#define PREFETCH_ROWS 16 /* rows ahead a cursor prefetches */
+#define PREFETCH_BYTES 8192 /* how far ahead of its reads a cursor prefetches (at least 16 rows) */
 
 /* The four levels of a 16 x 16 transpose-and-add: each pairs two vectors and halves the number of
  * partial sums per token, keeping tokens in order. */
