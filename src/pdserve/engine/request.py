@@ -64,7 +64,7 @@ class Request:
             [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None
         self.after = after  # a request whose remote KV this one waits for (a sample of the same prompt)
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.num_cached_tokens = 0  # prompt tokens not computed: cache hits at first admission, a pull's reads
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # content hashes of its full blocks so far (block_pool)
         self.num_registered_blocks = 0  # of its blocks, how many the prefix cache has considered
