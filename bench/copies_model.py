@@ -15,12 +15,20 @@ cache of all the blocks beside them:
   per-request the kept copy alternates request by request
   one         pdserve's: alternates by conversation, a turn keeps its history's pool
   one+move    and the instance that lends a history to another producer makes its copy spare
+
+With `--placements LOG --result RUN.json --trace TRACE.jsonl` it replays a real run instead: the
+proxy's `--placement-log` of a `pdserve bench serve` run on that trace (bench/routing.py keeps its
+trace and results in its work directory; pass `--proxy-args "--placement-log LOG"` to `pdserve up`),
+each request placed where the proxy placed it, and prints the model's hit rate beside the run's.
+A real run well below its own placements' replay loses cache content the model keeps (so found: a
+producer's kept copy demoted by a later spare copy, 0.595 against 0.640).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 from collections import OrderedDict
 from pathlib import Path
@@ -98,6 +106,26 @@ def replay(rows: list[dict], capacity: int, rule: str) -> float:
     return hit / total
 
 
+def replay_placements(rows: list[dict], placements: list[dict], starts: list[float], capacity: int) -> float:
+    """The hit rate of `rows` placed as logged (log lines in arrival order, rows in the order their
+    requests started), each instance an LRU cache of `capacity` blocks."""
+    order = sorted(range(len(rows)), key=lambda i: starts[i])
+    if len(order) != len(placements):
+        raise SystemExit(f"{len(placements)} placements for {len(order)} requests")
+    caches: dict[str, Cache] = {}
+    answers = itertools.count(1 << 62)
+    hit = total = 0
+    for i, p in zip(order, placements):
+        blocks = chain(rows[i]["hash_ids"])
+        total += len(blocks)
+        hit += max((c.prefix(blocks) for c in caches.values()), default=0)
+        answer = [next(answers) for _ in range(rows[i]["output_length"] // 16)]
+        if p["prefill"] is not None:
+            caches.setdefault(p["prefill"], Cache(capacity)).put(blocks, spare=p["spare_copy"] == "prefill")
+        caches.setdefault(p["decode"], Cache(capacity)).put(blocks + answer, spare=p["spare_copy"] == "decode")
+    return hit / total
+
+
 def lru(rows: list[dict], capacity: int) -> float:
     cache, hit, total = Cache(capacity), 0, 0
     for row in rows:
@@ -113,7 +141,17 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=800)
     p.add_argument("--num-blocks", type=int, default=384, help="blocks per instance")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--placements", default=None, help="a proxy's --placement-log of a run (with --result, --trace)")
+    p.add_argument("--result", default=None, help="that run's `pdserve bench serve --save-result` file")
+    p.add_argument("--trace", default=None, help="the trace it replayed")
     args = p.parse_args()
+    if args.placements:
+        run = json.loads(Path(args.result).read_text())
+        rows = [json.loads(line) for line in Path(args.trace).read_text().splitlines() if line.strip()]
+        placements = [json.loads(line) for line in Path(args.placements).read_text().splitlines() if line.strip()]
+        rate = replay_placements(rows, placements, run["starts"], args.num_blocks)
+        print(f"the run's placements replayed: hit rate {rate:.3f}; the run itself: {run['prefill_hit_rate']:.3f}")
+        return
     rows = conversation_trace(args.rows, args.seed)
     bound = lru(rows, 8 * args.num_blocks)
     print(f"one LRU cache of {8 * args.num_blocks} blocks: {bound:.3f}; of {4 * args.num_blocks}: "

@@ -16,7 +16,9 @@ proxy placed the request (what routing could have reused), how many instances ca
 block at the end (what the caches together hold is their size over this), how evenly the load
 spread (busiest over mean: prompt tokens a producer computed, tokens a decode instance generated),
 the proxy's P/D decisions and TTFT p50/p90.
-Results: bench/results/routing.json.
+Results: bench/results/routing.json. Each run's trace, bench result and the proxy's placement log
+stay in the work directory it prints; `bench/copies_model.py --placements W/kv-aware-0.placements.jsonl
+--result W/kv-aware-0.json --trace W/trace.jsonl` replays where the proxy put each request.
 """
 
 from __future__ import annotations
@@ -60,17 +62,20 @@ def copies_per_block(proxy: str) -> float | None:
     return round(sum(map(len, held)) / len(union), 3) if union else None
 
 
-def run_up(model: str, policy: str, up_args: list[str], bench_args: list[str], work: Path) -> dict:
-    """`pdserve up MODEL --routing POLICY *up_args`, then `pdserve bench serve *bench_args` through its
-    proxy with every instance's counters; the bench's result with per-instance computed prompt
-    tokens (`computed`), how evenly each pool computed them (`busiest_over_mean`) and the proxy's
-    P/D decisions."""
+def run_up(model: str, policy: str, up_args: list[str], bench_args: list[str], work: Path,
+           proxy_args: str = "") -> dict:
+    """`pdserve up MODEL --routing POLICY *up_args --proxy-args PROXY_ARGS`, then `pdserve bench serve
+    *bench_args` through its proxy with every instance's counters; the bench's result with per-instance
+    computed prompt tokens (`computed`), how evenly each pool computed them (`busiest_over_mean`) and
+    the proxy's P/D decisions. The proxy logs its placements to WORK/NAME.placements.jsonl beside the
+    bench's WORK/NAME.json (bench/copies_model.py --placements replays them)."""
     name = f"{policy}-{len(list(work.glob('*.up.log')))}"
+    proxy_args = f"--placement-log {work / name}.placements.jsonl {proxy_args}".strip()
     busy = busy_cores()  # what else ran: numbers from a busy machine are not comparable
     port_file = work / f"{name}.port"
     up = subprocess.Popen(
         [*PDSERVE, "up", model, "--routing", policy, "--port", "0", "--port-file", str(port_file),
-         "--log-dir", str(work / name), *up_args],
+         "--log-dir", str(work / name), "--proxy-args", proxy_args, *up_args],
         stdout=subprocess.DEVNULL, stderr=open(work / f"{name}.up.log", "w"), start_new_session=True)
     try:
         deadline = time.monotonic() + 300
@@ -123,12 +128,12 @@ def run_policy(model: str, policy: str, trace: Path, args, work: Path) -> dict:
     `kv-aware/both-copies`: the producer and the decode instance both keep a prompt's KV alike."""
     routing, _, variant = policy.partition("/")
     extra = " --kv-pull-min-tokens 0" if variant == "no-pulls" else ""
-    proxy = ["--proxy-args", "--kv-copies both"] if variant == "both-copies" else []
     bench = run_up(
         model, routing, ["--mock-engine", "--mock-speedup", str(args.speedup), "--prefill", "4", "--decode", "4",
-                         "--instance-args", f"--num-blocks {args.num_blocks} --max-num-seqs 16{extra}", *proxy],
+                         "--instance-args", f"--num-blocks {args.num_blocks} --max-num-seqs 16{extra}"],
         ["--dataset-name", "trace", "--dataset-path", str(trace), "--trace-block-tokens", str(BLOCK_TOKENS),
-         "--trace-time-scale", str(args.time_scale), "--lru-bound-blocks", str(args.num_blocks * 8)], work)
+         "--trace-time-scale", str(args.time_scale), "--lru-bound-blocks", str(args.num_blocks * 8)], work,
+        "--kv-copies both" if variant == "both-copies" else "")
     return {"policy": policy, "ttft_p50_ms": bench.get("median_ttft_ms"), "ttft_p90_ms": bench.get("p90_ttft_ms"),
             "completed": bench.get("completed"), "failed": bench.get("failed"),
             "prefix_hit_rate": bench.get("prefill_hit_rate"), "lru_bound_hit_rate": bench.get("lru_bound_hit_rate"),
@@ -209,6 +214,7 @@ def main() -> None:
         print(f"{r['policy']:13} hit rate {r['prefix_hit_rate']} (LRU bound {r['lru_bound_hit_rate']}), "
               f"TTFT p50/p90 {r['ttft_p50_ms']}/{r['ttft_p90_ms']} ms, busiest/mean {r['busiest_over_mean']}")
     print(json.dumps(summary))
+    print(f"trace, bench results and placement logs: {work}")
 
 
 if __name__ == "__main__":

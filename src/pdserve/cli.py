@@ -194,7 +194,7 @@ def _proxy(args) -> int:
         tokenizer=ensure_model(args.tokenizer) if args.tokenizer else None, chat_template=args.chat_template,
         local_prefill_max_queue=args.local_prefill_max_queue, admin_key=os.environ.get("PDSERVE_ADMIN_KEY"),
         kv_events_drop_fraction=args.kv_events_drop_fraction, kv_events_drop_seed=args.kv_events_drop_seed,
-        kv_copies=args.kv_copies)
+        kv_copies=args.kv_copies, placement_log=args.placement_log)
     run_proxy(config, args.log_level.upper())
     return 0
 
@@ -328,6 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "one (default) keeps one of the two, alternating between the pools by conversation, and "
                         "makes the other a spare copy that instance reuses first, so the instances together "
                         "cache more distinct prompts; both keeps both alike")
+    p.add_argument("--placement-log", default=None, metavar="FILE",
+                   help="append one JSON line per request the proxy tokenized: its first-choice producer and "
+                        "decode instance, the P/D decision, which copy is the spare, and (kv-aware) the prompt "
+                        "tokens each instance held by the KV index: routing, replayable offline")
     p.add_argument("--upstream-protocol", default="auto", choices=["auto", "pdserve", "vllm"],
                    help="what the instances are: vllm producers get max_tokens 1 (auto: ask them)")
     # benchmarks of the KV index's repairs (bench/index_exactness.py): lose batches on purpose, seeded

@@ -264,6 +264,7 @@ class ProxyConfig:
     kv_events_drop_fraction: float = 0.0  # benchmarks only: the KV index loses this share of batches
     kv_events_drop_seed: int = 0
     kv_copies: str = "one"  # kv-aware: a disaggregated prompt's KV kept in one pool (proxy/copies.py) or both
+    placement_log: str | None = None  # a file: one JSON line per tokenized request, where it was placed
 
     def __post_init__(self):
         _check(0.0 <= self.kv_events_drop_fraction < 1.0, "kv_events_drop_fraction",

@@ -52,3 +52,38 @@ def test_each_conversation_keeps_one_copy_in_one_pool_turn_after_turn():
 
 def test_both_copies_are_kept_alike_when_asked():
     assert _run(None) == [(False, False)] * 6
+
+
+def test_the_placement_log_says_where_each_request_went():
+    """`--placement-log`: per request, the first-choice producer and decode instance, the decision,
+    the spare copy and what each instance held, as the proxy saw them when it placed it."""
+    records = []
+
+    async def main():
+        prefill, decode = FakeInstance("http://p"), FakeInstance("http://d")
+        decode.gate.set()
+        decode.done.set()
+        router = Router([prefill], [decode], policy="kv-aware", index=HeldIndex({"http://p": 1}), copies=Copies())
+        for s in router.prefill.states + router.decode.states:
+            s.prefix_cache = PrefixCacheInfo(model_key="m", block_size=16)
+        flow = PDFlow(router, ProxyMetrics(), protocol="pdserve", prompts=Ids(), record=records.append)
+        body = {"prompt": [1] * 40, "max_tokens": 8, "stream": True}
+        response = await flow.handle(json.dumps(body).encode(), "/v1/completions", "r1", _never_gone)
+        await _drain(response.body_iterator)
+        return response.headers["X-PD-Decision"], prefill.bodies[-1]["kv_transfer_params"].get("spare_copy")
+    decision, producer_spare = asyncio.run(asyncio.wait_for(main(), 10))
+    (r,) = records
+    assert r["request_id"] == "r1" and r["prompt_tokens"] == 40 and r["decision"] == decision == "remote"
+    assert r["prefill"] == "http://p" and r["decode"] == "http://d"
+    assert r["spare_copy"] == ("prefill" if producer_spare else "decode")
+    assert r["held"] == {"http://p": 16, "http://d": 0}  # tokens: the producer caches the first block
+
+
+def test_the_placement_log_file_gets_a_whole_json_line_per_placement(tmp_path):
+    from pdserve.proxy.app import placement_recorder
+    path = tmp_path / "placements.jsonl"
+    record = placement_recorder(str(path))
+    record({"request_id": "a", "held": {"http://p": 16}})
+    record({"request_id": "b", "held": {}})
+    lines = path.read_text().splitlines()  # line-buffered: readable while the proxy runs
+    assert [json.loads(line)["request_id"] for line in lines] == ["a", "b"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -47,7 +48,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
     collections = PauseTimer()
     metrics.registry.register(HeapMetrics("pdserve_proxy", collections))
     flow = PDFlow(router, metrics, config.upstream_protocol, config.max_wait_s,
-                  DisaggPolicy(config.local_prefill_max_tokens, config.local_prefill_max_queue), prompts)
+                  DisaggPolicy(config.local_prefill_max_tokens, config.local_prefill_max_queue), prompts,
+                  placement_recorder(config.placement_log) if config.placement_log else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -174,3 +176,11 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     return app
 
+
+def placement_recorder(path: str):
+    """Appends each placement to `path` as a JSON line (line-buffered: a line is whole once written)."""
+    out = open(path, "a", buffering=1)
+
+    def record(placement: dict) -> None:
+        out.write(json.dumps(placement) + "\n")
+    return record

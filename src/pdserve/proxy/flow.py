@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -53,8 +54,10 @@ ASK_AGAIN_S = 5.0  # `auto`: after no answer about the protocol, requests go on 
 
 class PDFlow:
     def __init__(self, router: Router, metrics: ProxyMetrics, protocol: str = "auto", max_wait_s: float = 30.0,
-                 policy: DisaggPolicy = DisaggPolicy(), prompts: PromptTokens | None = None):
+                 policy: DisaggPolicy = DisaggPolicy(), prompts: PromptTokens | None = None,
+                 record: Callable[[dict], None] | None = None):
         assert protocol in PROTOCOLS
+        self.record = record  # `--placement-log`: told where each tokenized request was placed
         self.router = router
         self.prompts = prompts  # the model's tokenizer: routes by the blocks a prompt fills
         self.metrics = metrics
@@ -140,6 +143,11 @@ class PDFlow:
         headers["X-PD-Decision"] = decision
         spare = self.router.copies.spare(plan.block_hashes, decision == LOCAL) \
             if self.router.copies is not None and protocol == "pdserve" else None
+        if self.record is not None and plan.num_tokens is not None:
+            self.record({"time": round(time.time(), 4), "request_id": request_id, "prompt_tokens": plan.num_tokens,
+                         "decision": decision, "decode": plan.decode[0].url if plan.decode else None,
+                         "prefill": plan.prefill[0].url if plan.prefill and decision != LOCAL else None,
+                         "spare_copy": spare, "held": plan.held})
         if decision == LOCAL:  # decode prefills it itself
             self.metrics.requests.labels("decode_only").inc()
             return await self.legs.answer(self.router.decode, path, body, headers, start, prefills=True,

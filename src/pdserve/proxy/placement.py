@@ -54,6 +54,7 @@ class Placement:
     block_hashes: list[int] = dataclasses.field(default_factory=list)  # kv-aware: the prompt's full
     # blocks as the first decode candidate hashes them (what copies.py remembers a conversation by)
     cached_anywhere: int | None = None  # kv-aware: the most prompt tokens any one instance holds (index)
+    held: dict[str, int] = dataclasses.field(default_factory=dict)  # kv-aware: each healthy instance's, by URL
 
 
 def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | None = None) -> Placement:
@@ -105,9 +106,9 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
     if computer is not None:  # siblings that follow soon find the prompt there (before the index does)
         cached.computing(computer, now + COMPUTING_S + (local_s(computer) if is_local else producer_s(computer)))
     hashes = cached.of(first) if first is not None else []
-    anywhere = max((cached.held(s) for s in caches), default=0)
+    held = {s.url: cached.held(s) for s in caches}
     return Placement(decode, prefill, n, n - cached(first) if first is not None else n, is_local, holders, hashes,
-                     anywhere)
+                     max(held.values(), default=0), held)
 
 
 def _ranked(rotated: list[UpstreamState], seconds, cached) -> list[UpstreamState]:
