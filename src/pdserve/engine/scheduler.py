@@ -312,9 +312,10 @@ class Scheduler:
         if state == TransferState.RECOMPUTING:
             self._prefill_here(request)
         elif pull:  # what it read was found in another instance's cache: a hit too, and not computed
-            request.num_cached_tokens += num_blocks * self.pool.block_size  # (usage's cached_tokens)
-            self.num_prefix_cache_hits += num_blocks * self.pool.block_size * self.pool.enable_prefix_caching
-            self._run_from(request, request.num_computed_tokens + num_blocks * self.pool.block_size)
+            read = num_blocks * self.pool.block_size
+            request.num_cached_tokens += read  # (usage's cached_tokens)
+            self.num_prefix_cache_hits += read * self.pool.enable_prefix_caching
+            self._run_from(request, request.num_computed_tokens + read)
         else:
             self._run_from(request, request.num_prompt_tokens)
 
