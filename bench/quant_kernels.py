@@ -49,7 +49,7 @@ def main() -> int:
     parser.add_argument("--march", default="native",
                         help="build pdserve's kernels for this CPU (haswell: the AVX2 build, measurable on an AVX-512 CPU)")
     args = parser.parse_args()
-    kernels._FLAGS = [f if not f.startswith("-march=") else f"-march={args.march}" for f in kernels._FLAGS]
+    kernels.MARCH = args.march
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g) / k ** 0.5 for n, k in SHAPES]

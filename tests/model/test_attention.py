@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import CPU_FLAGS
 
 from pdserve.model.attention import _decode_attention, build_mask, native_decode
+
+# The kernel as built for this CPU, and its AVX2 build (kernels/paged_attention_avx2.h, 8-lane
+# units), which any AVX2 CPU runs: on an AVX-512 CPU the native build never takes that path.
+MARCHES = ["native", pytest.param("haswell", marks=pytest.mark.skipif(
+    not {"avx2", "fma", "f16c"} <= CPU_FLAGS, reason="the AVX2 build needs AVX2, FMA and F16C"))]
 
 
 def naive(q, k_cache, v_cache, tables, lens, window):
@@ -24,13 +30,15 @@ def naive(q, k_cache, v_cache, tables, lens, window):
     return out
 
 
+@pytest.mark.parametrize("march", MARCHES)
 @pytest.mark.parametrize("window", [None, 5, 20])
-@pytest.mark.parametrize("kv_heads, heads", [(2, 4), (1, 4), (4, 4)])
+@pytest.mark.parametrize("kv_heads, heads", [(2, 4), (1, 4), (4, 4), (3, 9), (1, 6)])
 @pytest.mark.parametrize("bs, d", [(4, 32), (16, 64), (16, 128), (8, 40)])
-def test_kernel_and_fallback_match_reference(kv_heads, heads, window, bs, d):
+def test_kernel_and_fallback_match_reference(kv_heads, heads, window, bs, d, march):
     """Head sizes 32/64/128 take the kernel's vector path (64 and 128 specialised), 40 its plain
-    loop; contexts cross blocks and 16-token groups, start mid-block under a window and end on
-    and off block edges."""
+    loop (the AVX2 path's odd chunk count); contexts cross blocks and 8- and 16-token groups, start
+    mid-block under a window and end on and off block edges; 1 to 6 query heads per KV head (the
+    AVX2 path's passes of up to 4)."""
     g = torch.Generator().manual_seed(0)
     blocks = 80
     k_cache = torch.randn(blocks, kv_heads, bs, d, generator=g).double()
@@ -44,13 +52,14 @@ def test_kernel_and_fallback_match_reference(kv_heads, heads, window, bs, d):
     mask = build_mask(lens.long() - 1, tables.shape[1] * bs, window)[:, None, None, :]
     fallback = _decode_attention(q, kc, vc, tables, mask)
     assert torch.allclose(fallback, expected, atol=1e-5)
-    kernel = native_decode()
+    kernel = native_decode(torch.float32, march)
     assert kernel is not None, "the C kernel should build here (gcc is present)"
     assert torch.allclose(kernel(q, kc, vc, tables, lens, window), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("march", MARCHES)
 @pytest.mark.parametrize("d", [64, 40])
-def test_bfloat16_cache_kernel_reads_the_stored_values(d):
+def test_bfloat16_cache_kernel_reads_the_stored_values(d, march):
     """A bfloat16 cache is read in place, widened exactly: the answer is the reference's over the
     cache's own (rounded) values, on the vector path and the plain loop."""
     g = torch.Generator().manual_seed(1)
@@ -61,14 +70,15 @@ def test_bfloat16_cache_kernel_reads_the_stored_values(d):
     tables = torch.stack([torch.randperm(blocks, generator=g)[:13] for _ in lens])
     q = torch.randn(len(lens), 4, d, generator=g)
     expected = naive(q, k_cache.double(), v_cache.double(), tables, lens, None)
-    kernel = native_decode(torch.bfloat16)
+    kernel = native_decode(torch.bfloat16, march)
     assert kernel is not None
     assert torch.allclose(kernel(q, k_cache, v_cache, tables, lens, None), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("march", MARCHES)
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("d", [64, 128, 40])
-def test_fp8_cache_kernel_reads_codes_times_scales(d, window):
+def test_fp8_cache_kernel_reads_codes_times_scales(d, window, march):
     """An fp8 cache is read in place: each row's codes (subnormals and both signs included) times
     its slot's scale, exactly the values kv_dtype.dequantize gives, on the vector paths and the
     plain loop."""
@@ -86,7 +96,7 @@ def test_fp8_cache_kernel_reads_codes_times_scales(d, window):
     q = torch.randn(len(lens), 4, d, generator=g)
     expected = naive(q, dequantize(k_cache, k_scale, torch.float64), dequantize(v_cache, v_scale, torch.float64),
                      tables, lens, window)
-    kernel = native_decode(torch.float8_e4m3fn)
+    kernel = native_decode(torch.float8_e4m3fn, march)
     assert kernel is not None
     got = kernel(q, k_cache, v_cache, tables, lens, window, (k_scale, v_scale))
     assert torch.allclose(got, expected, atol=1e-5)

@@ -127,8 +127,9 @@ class NativeDecode:
 
 
 @functools.lru_cache(maxsize=None)
-def native_decode(kv_dtype: torch.dtype = torch.float32) -> NativeDecode | None:
-    lib = kernels.load("paged_attention")
+def native_decode(kv_dtype: torch.dtype = torch.float32, march: str | None = None) -> NativeDecode | None:
+    """The kernel for this KV dtype, built for this CPU (`march`: another's build, for tests)."""
+    lib = kernels.load("paged_attention", march=march)
     if lib is None or not hasattr(lib, _NATIVE_KV[kv_dtype]):  # fp8 needs a compiler with _Float16
         return None
     return NativeDecode(lib, _NATIVE_KV[kv_dtype], kv_dtype in _SCALED_KV)

@@ -26,6 +26,9 @@
 #define MAX_CHUNKS 16 /* head_dim up to 256 on the fast path */
 #define GB 4 /* query heads sharing each load of a K or V row */
 #define PREFETCH_BYTES 8192 /* how far ahead of its reads a cursor prefetches (at least 16 rows) */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define ATTEND_AVX2 /* 8-lane units: paged_attention_avx2.h's kernel */
+#endif
 
 /* The four levels of a 16 x 16 transpose-and-add: each pairs two vectors and halves the number of
  * partial sums per token, keeping tokens in order. */
@@ -46,6 +49,13 @@ static inline v16 fold8(v16 a, v16 b) { return joined(fold_half(a, 8), fold_half
 static inline v16 fold4(v16 a, v16 b) { return joined(fold_half(a, 4), fold_half(b, 4)); }
 static inline v16 fold2(v16 a, v16 b) { return joined(fold_half(a, 2), fold_half(b, 2)); }
 static inline v16 fold1(v16 a, v16 b) { return joined(fold_half(a, 1), fold_half(b, 1)); }
+/* Lane r: the sum of p[r]'s 8 lanes (paged_attention_avx2.h's transpose-and-add). */
+static inline __m256 sum8x8(const __m256 p[8]) {
+    const __m256 t0 = _mm256_hadd_ps(p[0], p[1]), t1 = _mm256_hadd_ps(p[2], p[3]);
+    const __m256 t2 = _mm256_hadd_ps(p[4], p[5]), t3 = _mm256_hadd_ps(p[6], p[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* [p0..p3 | p4..p7] per half */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
 #else
 static inline v16 fold8(v16 a, v16 b) {
     return SHUF2(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
@@ -68,12 +78,14 @@ static inline v16 fold1(v16 a, v16 b) {
 /* The kernel once per stored KV type (paged_attention_kv.h). */
 #define KV_T float
 #define LOAD_KV(p) loadv(p)
+#define LOAD8_KV(p) _mm256_loadu_ps(p)
 #define KV_FLOAT(x) (x)
 #define NAME(x) x##_f32
 #define ENTRY paged_decode_attention
 #include "paged_attention_kv.h"
 #undef KV_T
 #undef LOAD_KV
+#undef LOAD8_KV
 #undef KV_FLOAT
 #undef NAME
 #undef ENTRY
@@ -91,6 +103,13 @@ static inline v16 load_bf16(const uint16_t *p) {
     return f;
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+static inline __m256 load8_bf16(const uint16_t *p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+#endif
+
 static inline float bf16_float(uint16_t x) {
     uint32_t w = (uint32_t)x << 16;
     float f;
@@ -100,12 +119,14 @@ static inline float bf16_float(uint16_t x) {
 
 #define KV_T uint16_t
 #define LOAD_KV(p) load_bf16(p)
+#define LOAD8_KV(p) load8_bf16(p)
 #define KV_FLOAT(x) bf16_float(x)
 #define NAME(x) x##_bf16
 #define ENTRY paged_decode_attention_bf16
 #include "paged_attention_kv.h"
 #undef KV_T
 #undef LOAD_KV
+#undef LOAD8_KV
 #undef KV_FLOAT
 #undef NAME
 #undef ENTRY
@@ -131,6 +152,12 @@ static inline __m256i fp8_halfbits(const uint8_t *p) {
 #if defined(__AVX512F__)
 static inline v16 load_fp8(const uint8_t *p) { return (v16)_mm512_cvtph_ps(fp8_halfbits(p)); }
 #else /* F16C: 8 lanes per instruction */
+static inline __m256 load8_fp8(const uint8_t *p) {
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i bits = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7),
+                                      _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8));
+    return _mm256_cvtph_ps(bits);
+}
 static inline v16 load_fp8(const uint8_t *p) {
     const __m256i bits = fp8_halfbits(p);
     return joined(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)));
@@ -159,6 +186,7 @@ static inline float fp8_float(uint8_t x) {
 #define ROW_UNIT 256.0f
 #define KV_T uint8_t
 #define LOAD_KV(p) load_fp8(p)
+#define LOAD8_KV(p) load8_fp8(p)
 #define KV_FLOAT(x) fp8_float(x)
 #define NAME(x) x##_fp8
 #define ENTRY paged_decode_attention_fp8

@@ -21,7 +21,7 @@ typedef struct {
 /* Moves the look-ahead cursor one row on and prefetches that row into L2 (prefetcht1: on this
  * CPU, float32 streamed at 16 GB/s with it and at 11-12 with prefetcht0, which ties up the L1's
  * few miss buffers). */
-static inline void NAME(cursor_ahead)(NAME(cursor) *c) {
+static inline __attribute__((always_inline)) void NAME(cursor_ahead)(NAME(cursor) *c) {
     c->ahead_left--;
     c->ahead += c->D;
     if (++c->ahead_offset == c->bs) {
@@ -53,7 +53,7 @@ static inline NAME(cursor) NAME(cursor_at)(const KV_T *cache, const float *scale
     return c;
 }
 
-static inline void NAME(cursor_next)(NAME(cursor) *c) {
+static inline __attribute__((always_inline)) void NAME(cursor_next)(NAME(cursor) *c) {
     c->row += c->D;
 #ifdef KV_SCALED
     c->srow++;
@@ -152,6 +152,10 @@ NAME(attend_vec)(const float *q, const KV_T *k_cache, const KV_T *v_cache, const
     }
 }
 
+#ifdef ATTEND_AVX2
+#include "paged_attention_avx2.h"
+#endif
+
 /* Any head size: plain loops. */
 static void NAME(attend_plain)(const float *q, const KV_T *k_cache, const KV_T *v_cache,
                                const float *k_scales, const float *v_scales, const int64_t *table,
@@ -210,6 +214,13 @@ void ENTRY(const float *q, const KV_T *k_cache, const KV_T *v_cache,
             const float *qb = q + ((size_t)b * Hq + (size_t)h * G) * D;
             float *ob = out + ((size_t)b * Hq + (size_t)h * G) * D;
             const int64_t *table = tables + (size_t)b * max_blocks;
+#ifdef ATTEND_AVX2
+            if (D == 64)
+                NAME(attend_avx2)(qb, k_cache, v_cache, k_scales, v_scales, table, first, ctx, ob, G, H, h, 64, bs, scale, scores);
+            else if (D % 8 == 0 && D <= 16 * MAX_CHUNKS)
+                NAME(attend_avx2)(qb, k_cache, v_cache, k_scales, v_scales, table, first, ctx, ob, G, H, h, D, bs, scale, scores);
+            else
+#endif
             if (D == 64)
                 NAME(attend_vec)(qb, k_cache, v_cache, k_scales, v_scales, table, first, ctx, ob, G, H, h, 64, bs, scale, scores);
             else if (D == 128)
