@@ -11,11 +11,16 @@ import random
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 GAP_EPS = 1e-4
 # the CPU's flags, read here apart from the code under test (pdserve.model.kernels reads them too)
 CPU_FLAGS = frozenset(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else frozenset()
+# the C kernels as built for this CPU, and their AVX2 build (`-march=haswell`: 8-lane code paths an
+# AVX-512 CPU's own build never takes), which any AVX2 CPU runs
+MARCHES = ["native", pytest.param("haswell", marks=pytest.mark.skipif(
+    not {"avx2", "fma", "f16c"} <= CPU_FLAGS, reason="the AVX2 build needs AVX2, FMA and F16C"))]
 _REFERENCE_CACHE: dict = {}
 DIVERGENCES: list[str] = []  # reported at the end of the session (see conftest)
 

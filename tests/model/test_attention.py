@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CPU_FLAGS
+from helpers import MARCHES
 
 from pdserve.model.attention import _decode_attention, build_mask, native_decode
-
-# The kernel as built for this CPU, and its AVX2 build (kernels/paged_attention_avx2.h, 8-lane
-# units), which any AVX2 CPU runs: on an AVX-512 CPU the native build never takes that path.
-MARCHES = ["native", pytest.param("haswell", marks=pytest.mark.skipif(
-    not {"avx2", "fma", "f16c"} <= CPU_FLAGS, reason="the AVX2 build needs AVX2, FMA and F16C"))]
 
 
 def naive(q, k_cache, v_cache, tables, lens, window):

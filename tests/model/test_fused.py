@@ -5,14 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import MARCHES
 
-from pdserve.model import fused
+from pdserve.model import fused, kernels
 from pdserve.model.layers import RotaryEmbedding, rms_norm
 
 
-@pytest.fixture(scope="module", autouse=True)
-def native_ops():
-    assert fused._lib() is not None, "the C ops should build here (gcc is present)"
+@pytest.fixture(autouse=True, params=MARCHES)
+def native_ops(request, monkeypatch):
+    """Every test on the ops as built for this CPU and as built for AVX2 (decoder_ops.c's 8-lane paths)."""
+    monkeypatch.setattr(kernels, "MARCH", request.param)
+    assert fused._native(torch.empty(0)) is not None, "the C ops should build here (gcc is present)"
 
 
 def _rand(*shape, seed=0, scale=1.0):

@@ -21,9 +21,9 @@ from pdserve.model.layers import RotaryEmbedding, rms_norm
 _p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
-@functools.lru_cache(maxsize=1)
-def _lib() -> ctypes.CDLL | None:
-    lib = kernels.load("decoder_ops")
+@functools.lru_cache(maxsize=None)
+def _lib(march: str) -> ctypes.CDLL | None:
+    lib = kernels.load("decoder_ops", march=march)
     if lib is None:
         return None
     lib.add_rms_norm.argtypes = [_p, _p, _p, _p, _i, _i, _f, _i]
@@ -39,7 +39,7 @@ def _lib() -> ctypes.CDLL | None:
 def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The library when every tensor is float32 on CPU, else None."""
     if all(t.dtype is torch.float32 and t.is_cpu for t in tensors):
-        return _lib()
+        return _lib(kernels.MARCH)
     return None
 
 
