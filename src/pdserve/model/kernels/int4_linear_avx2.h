@@ -109,50 +109,62 @@ void int4_linear(const float *x, int m, int k, const uint8_t *w, const uint16_t 
     }
 }
 
-/* The int8 layout: per block of 16 rows and group, 8 planes of 64 bytes (codes plus 128). A plane's
- * weight-only work (load, the flip back to signed, |w|) is done once and serves every row of the
- * pass; per row remain the sign transfer, maddubs and the widening add. */
-#define ROWS_PER_PASS 4 /* activation rows per pass over a half block's codes */
+/* The int8 layout: per block of 16 rows and group, 8 planes of 64 bytes whose byte 4j+b is row j's
+ * code plus 128 for input 4i+b. A pass reads whole planes (rows 0-7 and 8-15 of the block as two
+ * halves), so the weights stream in order, and a plane's weight-only work (load, the flip back to
+ * signed, |w|) is done once and serves every row of the pass; per row remain the sign transfer,
+ * maddubs and the widening add. A pass per half, reading every other 32 bytes, ran SmolLM2's
+ * projections at one row at 11.5 GB/s on an AVX2-only EPYC. */
+#define ROWS_PER_PASS 3 /* activation rows per pass: 2 x 3 sums, the planes and an input in 16 registers */
 static inline __attribute__((always_inline)) void int8_pass(const uint8_t *wb, const int8_t *xq, const float *dx,
-                                                             int k, int groups, int rows, __m256 *acc) {
+                                                             int k, int groups, int rows, __m256 acc[][2]) {
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    for (int j = 0; j < rows; j++) acc[j] = _mm256_setzero_ps();
+    for (int j = 0; j < rows; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
     for (int g = 0; g < groups; g++) {
         const uint8_t *wg = wb + (size_t)g * 512;
-        __m256i d[ROWS_PER_PASS];
-        for (int j = 0; j < rows; j++) d[j] = _mm256_setzero_si256();
+        __m256i d[ROWS_PER_PASS][2];
+        for (int j = 0; j < rows; j++) d[j][0] = d[j][1] = _mm256_setzero_si256();
         for (int i = 0; i < 8; i++) {
-            const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + i * 64)), flip);
-            const __m256i aw = _mm256_abs_epi8(w);
+            const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + i * 64)), flip);
+            const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + i * 64 + 32)), flip);
+            const __m256i aw0 = _mm256_abs_epi8(w0), aw1 = _mm256_abs_epi8(w1);
             for (int j = 0; j < rows; j++) {
-                const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(splat4(xq + (size_t)j * k + g * 32 + 4 * i), w));
-                d[j] = _mm256_add_epi32(d[j], _mm256_madd_epi16(p, ones));
+                const __m256i x = splat4(xq + (size_t)j * k + g * 32 + 4 * i);
+                d[j][0] = _mm256_add_epi32(d[j][0], _mm256_madd_epi16(_mm256_maddubs_epi16(aw0, _mm256_sign_epi8(x, w0)), ones));
+                d[j][1] = _mm256_add_epi32(d[j][1], _mm256_madd_epi16(_mm256_maddubs_epi16(aw1, _mm256_sign_epi8(x, w1)), ones));
             }
         }
-        for (int j = 0; j < rows; j++)
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[j]), _mm256_set1_ps(dx[(size_t)j * groups + g]), acc[j]);
+        for (int j = 0; j < rows; j++) {
+            const __m256 sx = _mm256_set1_ps(dx[(size_t)j * groups + g]);
+            acc[j][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[j][0]), sx, acc[j][0]);
+            acc[j][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[j][1]), sx, acc[j][1]);
+        }
     }
 }
 
 void int8_linear(const float *x, int m, int k, const uint8_t *w, const float *scales, int n, float *y,
                  int8_t *xq, float *dx, float *t, int nthreads) {
-    const int groups = k / 32, halves = n / 8;
+    const int groups = k / 32, blocks = n / 16;
     quantize(x, m, k, xq, dx, t);
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && halves > 1)
-    for (int nh = 0; nh < halves; nh++) {
-        const uint8_t *wb = w + (size_t)(nh / 2) * groups * 512 + (nh % 2) * 32;
-        const __m256 s = _mm256_loadu_ps(scales + nh * 8);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && blocks > 1)
+    for (int nb = 0; nb < blocks; nb++) {
+        const uint8_t *wb = w + (size_t)nb * groups * 512;
+        const __m256 s0 = _mm256_loadu_ps(scales + nb * 16), s1 = _mm256_loadu_ps(scales + nb * 16 + 8);
         for (int r0 = 0; r0 < m; r0 += ROWS_PER_PASS) {
             const int rows = m - r0 < ROWS_PER_PASS ? m - r0 : ROWS_PER_PASS;
-            __m256 acc[ROWS_PER_PASS];
+            __m256 acc[ROWS_PER_PASS][2];
             const int8_t *xr = xq + (size_t)r0 * k;
             const float *dr = dx + (size_t)r0 * groups;
             if (rows == ROWS_PER_PASS) /* a constant row count: the row loops unroll into registers */
                 int8_pass(wb, xr, dr, k, groups, ROWS_PER_PASS, acc);
+            else if (rows == 1)
+                int8_pass(wb, xr, dr, k, groups, 1, acc);
             else
                 int8_pass(wb, xr, dr, k, groups, rows, acc);
-            for (int j = 0; j < rows; j++)
-                _mm256_storeu_ps(y + (size_t)(r0 + j) * n + nh * 8, _mm256_mul_ps(s, acc[j]));
+            for (int j = 0; j < rows; j++) {
+                _mm256_storeu_ps(y + (size_t)(r0 + j) * n + nb * 16, _mm256_mul_ps(s0, acc[j][0]));
+                _mm256_storeu_ps(y + (size_t)(r0 + j) * n + nb * 16 + 8, _mm256_mul_ps(s1, acc[j][1]));
+            }
         }
     }
 }
