@@ -105,12 +105,10 @@ void silu_mul(const float *gate_up, float *out, int rows, int inter, int nthread
     }
 }
 
-/* Per row of logits [rows, vocab]: the first index of the maximum (torch.argmax) and
- * log(sum(exp(x))) (torch.logsumexp), in two passes over the row. */
 #ifdef VEC_AVX2
-/* The vector loop below on 8-lane units, in intrinsics (GCC's lowering of its 16-lane compare and
- * select made the whole function 4x torch's argmax): the largest of x[0, cols), cols a multiple of
- * 16, and its first index. */
+/* argmax_logsumexp's vector loop on 8-lane units, in intrinsics (GCC's lowering of its 16-lane
+ * compare and select, with the exp's, made the whole function 4x torch's argmax): the largest of
+ * x[0, cols), cols a multiple of 16, and its first index. */
 static void argmax_avx2(const float *x, int cols, float *best, int64_t *best_at) {
     __m256 m0 = _mm256_loadu_ps(x), m1 = _mm256_loadu_ps(x + 8);
     __m256i i0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), i1 = _mm256_add_epi32(i0, _mm256_set1_epi32(8));
@@ -133,6 +131,8 @@ static void argmax_avx2(const float *x, int cols, float *best, int64_t *best_at)
 }
 #endif
 
+/* Per row of logits [rows, vocab]: the first index of the maximum (torch.argmax) and
+ * log(sum(exp(x))) (torch.logsumexp), in two passes over the row. */
 void argmax_logsumexp(const float *logits, int rows, int vocab, int64_t *argmax, float *lse,
                       int nthreads) {
     const int vec_cols = vocab - vocab % 16;

@@ -16,7 +16,8 @@
  *   - softmax: the vectorized exp of vec.h;
  *   - values: the output row stays in registers while the tokens stream past.
  * Rows are walked with a (block, offset) cursor: no division per token.
- * Other head sizes take the plain loop at the end.
+ * Other head sizes take the plain loop at the end. On AVX2 without AVX-512 (8-lane units), head sizes
+ * that are a multiple of 8 take paged_attention_avx2.h instead, written for 16 registers.
  */
 #include <math.h>
 #include <stdlib.h>

@@ -3,15 +3,16 @@
  * AVX-512. The 16-lane version keeps every query head's q and a K row in registers and a V row's
  * output for every head: on 16 ymm registers that spilled, and SmolLM2's layer (batch 32, 9 query
  * heads over 3 KV heads, a 160-token context) took 1.3 ms for float32 and for bfloat16 alike (6 and
- * 3 GB/s). Here each pass keeps at most GN accumulators live:
- *   - scores: per row, one 8-lane partial dot product per query head (q read from L1), and every 8
- *     rows a horizontal-add transpose turns 8 partials into 8 scores;
+ * 3 GB/s). Here a pass takes at most GB (4) query heads and keeps only their accumulators live:
+ *   - scores: two rows at a time, one 8-lane partial dot product per row and query head (q read
+ *     from L1), and every 8 rows a horizontal-add transpose turns 8 partials into 8 scores;
+ *   - softmax: an 8-lane exp (vec.h's vexp8);
  *   - values: 8 rows at a time, two 8-lane column chunks at a time, each head's output chunk in a
  *     register across the 8 rows, then back to an L1 array.
  * Any head size that is a multiple of 8 (up to 256) takes it. Rows are read 16 elements at a time
  * (LOAD16_KV); bfloat16 widens them with two unpacks against zero (the elements come out as 0-3,
  * 8-11 | 4-7, 12-15, KV_INTERLEAVED), instead of a zero-extension and a shift per 8: q is stored in
- * that order and the output put back in its own, which made bfloat16's layer ~20 % faster. */
+ * that order and the output put back in its own (the small model's bfloat16 layer ~10 % faster). */
 
 #ifdef KV_INTERLEAVED
 static const int NAME(order)[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
