@@ -166,8 +166,8 @@ class Int4Linear:
     """Grouped int4 weight (groups of 32 inputs). Where kernels/int4_linear.c builds (AVX2 or
     AVX512-VNNI), in its layout. SmolLM2's projections (bench/quant_kernels.py), against torch's
     kernel: with VNNI 4.0 ms against 4.6 at one row and 19.8 against 45.9 at 32 (int8: 5.0 against
-    8.1, 21.1 against 50.2); on AVX2 alone 5.4 against 17.1 and 50 against 170 (int8: 8.0 against
-    21.2, 66 against 166). Elsewhere packed by `_convert_weight_to_int4pack_for_cpu`, with its
+    8.1, 21.1 against 50.2); on AVX2 alone 4.6 against 16.6 and 51 against 167 (int8: 7.8 against
+    21.1, 66 against 168). Elsewhere packed by `_convert_weight_to_int4pack_for_cpu`, with its
     scales and zeros as that kernel wants them ([in / group, out, 2])."""
 
     def __init__(self, weight: QuantizedWeight):
