@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CPU_FLAGS
+from helpers import CPU_FLAGS, MARCHES
 from tp_threads import last_logits
 
+from pdserve.model import kernels
 from pdserve.model.embedding import Embedding
 from pdserve.model.linear import Int4Linear, Int8Linear, Linear, make_linear, weight_bytes
 from pdserve.model.quant import quantize, quantize_int4, quantize_int8
@@ -23,10 +24,18 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
+@pytest.fixture(params=MARCHES)
+def march(request, monkeypatch):
+    """kernels/int4_linear.c as built for this CPU, and its AVX2 build (int4_linear_avx2.h, which an
+    AVX-512 CPU's own build never runs)."""
+    monkeypatch.setattr(kernels, "MARCH", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("fmt, layer", [("int8", Int8Linear), ("int4", Int4Linear)])
 @pytest.mark.parametrize("out_features, in_features", [(96, 64), (40, 576), (37, 128)])
-@pytest.mark.parametrize("rows", [1, 5, 33])
-def test_quantized_layers_compute_their_weights_product(fmt, layer, out_features, in_features, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 33])
+def test_quantized_layers_compute_their_weights_product(fmt, layer, out_features, in_features, rows, march):
     g = torch.Generator().manual_seed(rows * out_features)
     w = torch.randn(out_features, in_features, generator=g) / in_features ** 0.5
     x = torch.randn(rows, in_features, generator=g)
@@ -49,7 +58,7 @@ def test_quantized_layers_compute_their_weights_product(fmt, layer, out_features
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_row_counts_and_threads_sharing_scratch_get_their_own_products(fmt):
+def test_row_counts_and_threads_sharing_scratch_get_their_own_products(fmt, march):
     """The native kernels quantize activations into per-thread scratch that grows and is reused:
     calls of other row counts, and other threads at the same time, must not see each other's."""
     from concurrent.futures import ThreadPoolExecutor

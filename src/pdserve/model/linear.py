@@ -149,11 +149,15 @@ class Int8Linear:
         return y.to(x.dtype)
 
 
-@functools.lru_cache(maxsize=1)
 def _int4_lib() -> ctypes.CDLL | None:
     """kernels/int4_linear.c, where this CPU has AVX2, FMA and F16C (its AVX512-VNNI build where it has
-    that too), else None: torch's kernel."""
-    lib = kernels.load("int4_linear", cpu_flags=("avx2", "fma", "f16c"))
+    that too), else None: torch's kernel. Both builds read one layout."""
+    return _int4_lib_for(kernels.MARCH)
+
+
+@functools.lru_cache(maxsize=None)
+def _int4_lib_for(march: str) -> ctypes.CDLL | None:
+    lib = kernels.load("int4_linear", cpu_flags=("avx2", "fma", "f16c"), march=march)
     if lib is not None:
         p, i = ctypes.c_void_p, ctypes.c_int
         for fn in (lib.int4_linear, lib.int8_linear):
