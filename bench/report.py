@@ -85,8 +85,11 @@ def formats_elsewhere(f, cpp) -> list[str]:
     speeds = ", ".join(f"{name} {f[name]['one_stream_tok_s']} ({f[name]['one_stream_tok_s'] / cpp['decode_tok_s']:.2f}×)"
                        for name in ("int4", "int8", "float32"))
     batch = ", ".join(f"{name} {f[name]['32']['tok_s']} ({f[name]['32']['vs_float32']}× float32)" for name in ("int4", "int8"))
+    bound = ", ".join(f"{name} {f[name]['1']['tok_s']} ({f[name]['1']['fraction_of_bound']:.0%} of the bound at "
+                      f"{f['read_gbps']} GB/s)" for name in ("int4", "int8"))
     out = [f"On an {f['cpu']}-only CPU (bench/results/engine_avx2.json and llama_cpp_avx2.json, an AMD EPYC), one "
-           f"stream: llama.cpp {cpp['decode_tok_s']} tok/s, pdserve {speeds}; batch 32: {batch}. There the int4 and "
+           f"stream: llama.cpp {cpp['decode_tok_s']} tok/s, pdserve {speeds}; batch 1 in bench/engine.py: {bound}; "
+           f"batch 32: {batch}. There the int4 and "
            "int8 kernels are the AVX2 build (`maddubs`, as llama.cpp's), and the attention kernel, the softmax's exp, "
            "the greedy pick and SiLU run on 8-lane registers written out in intrinsics: GCC's lowering of their "
            "16-lane vector code to halves spilled, and SmolLM2's attention took 41 ms of a 153 ms int8 step at "
