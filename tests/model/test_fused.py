@@ -35,7 +35,8 @@ def test_add_rms_norm(rows, cols, with_delta):
 
 @pytest.mark.parametrize("tokens", [1, 5, 200])  # 200: threaded
 @pytest.mark.parametrize("heads, kv_heads, d", [(8, 4, 64), (4, 1, 32), (2, 2, 40)])
-def test_rope_write_kv(tokens, heads, kv_heads, d):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv(tokens, heads, kv_heads, d, cache_dtype):
     rope = RotaryEmbedding(d, 512, 10000.0, None, torch.float32)
     qkv = _rand(tokens, (heads + 2 * kv_heads) * d, seed=4)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)  # strided rows, as in the model
@@ -45,15 +46,21 @@ def test_rope_write_kv(tokens, heads, kv_heads, d):
     slots = torch.randperm(blocks * bs, generator=torch.Generator().manual_seed(6))[:tokens]
     slot_blocks, slot_offsets = slots // bs, slots % bs
     exp_q, exp_k = rope(positions, q, k)
-    exp_kc, exp_vc = torch.zeros(blocks, kv_heads, bs, d), torch.zeros(blocks, kv_heads, bs, d)
-    exp_kc[slot_blocks, :, slot_offsets] = exp_k
-    exp_vc[slot_blocks, :, slot_offsets] = v
+    v[0, 0, :3] = torch.tensor([float("nan"), float("inf"), 1.0 + 3 * 2 ** -8])  # NaN; a tie that rounds up, to even
+    exp_kc = torch.zeros(blocks, kv_heads, bs, d, dtype=cache_dtype)
+    exp_vc = torch.zeros_like(exp_kc)
+    exp_kc[slot_blocks, :, slot_offsets] = exp_k.to(cache_dtype)
+    exp_vc[slot_blocks, :, slot_offsets] = v.to(cache_dtype)
     kc, vc = torch.zeros_like(exp_kc), torch.zeros_like(exp_vc)
     out_q, out_k = fused.rope_write_kv(rope, positions, q, k, v, kc, vc, slot_blocks, slot_offsets)
     torch.testing.assert_close(out_q, exp_q, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out_k, exp_k, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(kc, exp_kc, rtol=1e-5, atol=1e-6)
-    assert torch.equal(vc, exp_vc)
+    tolerance = dict(rtol=1e-2, atol=1e-2) if cache_dtype is torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kc, exp_kc, **tolerance)
+    written_k = kc[slot_blocks, :, slot_offsets]
+    assert torch.equal(written_k, out_k.to(cache_dtype))  # the C path converts as torch rounds
+    assert torch.equal(vc.isnan(), exp_vc.isnan())
+    assert torch.equal(vc.nan_to_num(0.0), exp_vc.nan_to_num(0.0))
 
 
 @pytest.mark.parametrize("rows, inter", [(1, 16), (32, 1408), (3, 37), (100, 1408)])

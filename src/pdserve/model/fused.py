@@ -27,13 +27,16 @@ def _lib(march: str) -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.add_rms_norm.argtypes = [_p, _p, _p, _p, _i, _i, _f, _i]
-    lib.rope_write_kv.argtypes = [_p, _l, _p, _l, _p, _l, _p, _p, _p, _p, _p, _p, _p,
+    lib.rope_write_kv.argtypes = [_p, _l, _p, _l, _p, _l, _p, _p, _p, _p, _p, _i, _p, _p,
                                   _i, _i, _i, _i, _i, _i]
     lib.silu_mul.argtypes = [_p, _p, _i, _i, _i]
     lib.argmax_logsumexp.argtypes = [_p, _i, _i, _p, _p, _i]
     for fn in (lib.add_rms_norm, lib.rope_write_kv, lib.silu_mul, lib.argmax_logsumexp):
         fn.restype = None
     return lib
+
+
+_NATIVE_CACHES = (torch.float32, torch.bfloat16)  # rope_write_kv converts to bfloat16 as torch rounds
 
 
 def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
@@ -68,9 +71,10 @@ def rope_write_kv(rope: RotaryEmbedding, positions: torch.Tensor, q: torch.Tenso
                   scales: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Rotate q [tokens, heads, d] and k [tokens, kv_heads, d] by position and write k and v into
     their cache slots, in the cache's dtype (`scales`: an fp8 cache's, kv_dtype.py). Returns the
-    rotated (q, k); the C path rotates in place."""
-    lib = _native(q, k, v, k_cache, v_cache, rope.cos)
-    if lib is None or not all(_heads_packed(t) for t in (q, k, v)):
+    rotated (q, k); the C path (a float32 or bfloat16 cache) rotates in place."""
+    lib = _native(q, k, v, rope.cos)
+    if (lib is None or k_cache.dtype not in _NATIVE_CACHES or v_cache.dtype is not k_cache.dtype
+            or not all(_heads_packed(t) for t in (q, k, v))):
         q, k = rope(positions, q, k)
         write_kv(k_cache, v_cache, k, v, slot_blocks, slot_offsets, scales)
         return q, k
@@ -78,7 +82,8 @@ def rope_write_kv(rope: RotaryEmbedding, positions: torch.Tensor, q: torch.Tenso
     _, kv_heads, block_size, _ = k_cache.shape
     lib.rope_write_kv(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
                       v.stride(0), positions.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
-                      k_cache.data_ptr(), v_cache.data_ptr(), slot_blocks.data_ptr(),
+                      k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype is torch.bfloat16,
+                      slot_blocks.data_ptr(),
                       slot_offsets.data_ptr(), tokens, num_heads, kv_heads, d, block_size,
                       torch.get_num_threads())
     return q, k

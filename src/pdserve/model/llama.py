@@ -14,6 +14,7 @@ import torch
 
 from pdserve.model.attention import AttentionMetadata, paged_attention
 from pdserve.model.fused import add_rms_norm, rope_write_kv, silu_mul
+from pdserve.model.fused_decode import FusedDecode
 from pdserve.model.embedding import Embedding
 from pdserve.model.layers import RotaryEmbedding, rms_norm
 from pdserve.model.linear import Int8Linear, make_linear, weight_bytes
@@ -113,6 +114,7 @@ class CausalLM:
         if head is embed and isinstance(self.lm_head, Int8Linear) and per_rank == spec.vocab_size:
             shared = self.lm_head.row_codes  # one copy of a tied int8 table
         self.embed = Embedding(embed, dtype, shared)
+        self.fused_decode = FusedDecode.build(self)  # None: every step layer by layer
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -120,7 +122,16 @@ class CausalLM:
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [tokens] -> hidden states [tokens, hidden] after the final norm.
         kv_caches: per layer (k, v), or (k, v, k_scales, v_scales) for fp8 (worker/kv_cache.py)."""
-        x, delta = self.embed(input_ids), None
+        x = self.embed(input_ids)
+        if self.fused_decode is not None and self.fused_decode.takes(x, kv_caches, meta):
+            return self.fused_decode(x, positions, kv_caches, meta)
+        return self.run_layers(x, positions, kv_caches, meta)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
+                   meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder layers and the final norm, layer by layer from Python; x: the embeddings,
+        updated in place (the residual stream)."""
+        delta = None
         for layer, (k_cache, v_cache, *scales) in zip(self.layers, kv_caches):
             delta = layer(x, delta, positions, k_cache, v_cache, meta, tuple(scales) or None)
         return add_rms_norm(x, delta, self.norm, self.spec.rms_norm_eps)

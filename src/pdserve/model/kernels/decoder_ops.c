@@ -5,10 +5,12 @@
  * Small inputs (a decode step) run on the calling thread; large ones (a prefill) split their rows.
  *   add_rms_norm   x += delta; out = weight * x / sqrt(mean(x^2) + eps)   (transformers' RMSNorm)
  *   rope_write_kv  rotate q and k in place (half-split "rotate_half" layout, cos/sin tables by
- *                  position), then copy k and v into their cache slots
+ *                  position), then store k and v in their cache slots (float32 or bfloat16)
  *   silu_mul       out = silu(gate) * up, gate and up the two halves of each row
  * and, on the logits, the greedy pick with the normaliser the sampled token's logprob needs:
  *   argmax_logsumexp
+ * and a decode step's whole stack of layers, these ops between the projection and attention kernels:
+ *   decode_layers
  */
 #include <math.h>
 #include <stdint.h>
@@ -60,11 +62,30 @@ static inline void rotate(float *x, const float *cos, const float *sin, int half
     }
 }
 
+/* float32 -> bfloat16 as torch rounds it (to nearest even; a NaN stays a NaN). */
+static inline uint16_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+/* One head's D values into a cache slot, as the cache stores them (float32 or bfloat16). */
+static inline void store_slot(void *cache, size_t slot, const float *x, int D, int bf16) {
+    if (!bf16) {
+        memcpy((float *)cache + slot, x, sizeof(float) * D);
+        return;
+    }
+    uint16_t *out = (uint16_t *)cache + slot;
+    for (int i = 0; i < D; i++) out[i] = bf16_bits(x[i]);
+}
+
 /* q: [tokens, Hq, D] with row stride q_stride; k, v: [tokens, H, D] with strides k_stride,
- * v_stride. Caches [blocks, H, bs, D]; token t goes to (slot_blocks[t], slot_offsets[t]). */
+ * v_stride. Caches [blocks, H, bs, D], float32 or (`bf16`) bfloat16; token t goes to
+ * (slot_blocks[t], slot_offsets[t]). */
 void rope_write_kv(float *q, int64_t q_stride, float *k, int64_t k_stride, const float *v,
                    int64_t v_stride, const int64_t *positions, const float *cos, const float *sin,
-                   float *k_cache, float *v_cache, const int64_t *slot_blocks,
+                   void *k_cache, void *v_cache, int bf16, const int64_t *slot_blocks,
                    const int64_t *slot_offsets, int tokens, int Hq, int H, int D, int bs,
                    int nthreads) {
     const int half = D / 2;
@@ -76,8 +97,8 @@ void rope_write_kv(float *q, int64_t q_stride, float *k, int64_t k_stride, const
             float *kh = k + t * k_stride + (int64_t)h * D;
             rotate(kh, c, s, half);
             const size_t slot = (((size_t)slot_blocks[t] * H + h) * bs + slot_offsets[t]) * D;
-            memcpy(k_cache + slot, kh, sizeof(float) * D);
-            memcpy(v_cache + slot, v + t * v_stride + (int64_t)h * D, sizeof(float) * D);
+            store_slot(k_cache, slot, kh, D, bf16);
+            store_slot(v_cache, slot, v + t * v_stride + (int64_t)h * D, D, bf16);
         }
     }
 }
@@ -180,4 +201,80 @@ void argmax_logsumexp(const float *logits, int rows, int vocab, int64_t *argmax,
         argmax[r] = best_at;
         lse[r] = best + logf(total);
     }
+}
+
+/* A decode step's decoder layers in one call: every row a single-token decode, tensor parallel
+ * size 1, every projection a kernels/int4_linear.c one. Per layer the ops above and the linear and
+ * attention kernels run in the order llama.py's DecoderLayer calls them, on the same buffers'
+ * contents, so the hidden states are bit for bit those of the Python path; what goes is the Python
+ * between ~9 calls per layer (fused_decode.py says what it cost). The linear and attention kernels
+ * live in their own libraries and come as function pointers (all their arguments are pointers,
+ * ints and floats, so one pointer type serves the int4 and int8 kernels). */
+typedef void (*linear_fn)(const float *x, int m, int k, const void *w, const void *scales, int n,
+                          float *y, int8_t *xq, float *dx, float *t, int nthreads);
+typedef void (*attend_fn)(const float *q, const void *k_cache, const void *v_cache,
+                          const int64_t *tables, const int32_t *ctx_lens, float *out, int B, int Hq,
+                          int H, int D, int bs, int max_blocks, int window, float scale, int nthreads);
+
+struct linear { /* out = n rows of the weight, in = k (multiples of 16 and 32) */
+    linear_fn fn;
+    const void *w, *scales;
+    int k, n;
+};
+
+struct layer {
+    struct linear qkv, o, gate_up, down;
+    const float *qkv_bias, *input_norm, *post_attn_norm; /* qkv_bias may be NULL */
+    void *k_cache, *v_cache;
+};
+
+struct model {
+    int num_layers, hidden, heads, kv_heads, head_dim, inter, block_size, kv_bf16;
+    float eps, scale; /* the RMSNorms' epsilon; attention's 1 / sqrt(head_dim) */
+    const float *cos, *sin, *final_norm;
+    attend_fn attend;
+    const struct layer *layers;
+};
+
+struct step { /* the step's metadata (model_runner.py) and scratch, `rows` rows of each buffer */
+    int rows, max_blocks, window;
+    const int64_t *positions, *slot_blocks, *slot_offsets, *tables;
+    const int32_t *context_lens;
+    float *h, *qkv, *q, *attn, *delta, *gate_up, *act; /* [rows, each one's width] */
+    int8_t *xq; /* [rows, largest input] and [rows, largest input / 32] twice: the linear kernels' */
+    float *dx, *t;
+};
+
+static void project(const struct linear *l, const float *x, float *y, const struct step *s, int nthreads) {
+    l->fn(x, s->rows, l->k, l->w, l->scales, l->n, y, s->xq, s->dx, s->t, nthreads);
+}
+
+/* x: the residual stream [rows, hidden] (the embeddings in, updated in place); out: the final
+ * norm's output [rows, hidden]. */
+void decode_layers(const struct model *m, const struct step *s, float *x, float *out, int nthreads) {
+    const int R = s->rows, D = m->head_dim, q_width = m->heads * D, kv_width = m->kv_heads * D;
+    const float *delta = NULL;
+    for (int i = 0; i < m->num_layers; i++) {
+        const struct layer *L = m->layers + i;
+        add_rms_norm(x, delta, L->input_norm, s->h, R, m->hidden, m->eps, nthreads);
+        project(&L->qkv, s->h, s->qkv, s, nthreads);
+        const int qkv_n = L->qkv.n;
+        if (L->qkv_bias)
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < qkv_n; c++) s->qkv[(size_t)r * qkv_n + c] += L->qkv_bias[c];
+        float *q = s->qkv, *k = q + q_width, *v = k + kv_width;
+        rope_write_kv(q, qkv_n, k, qkv_n, v, qkv_n, s->positions, m->cos, m->sin, L->k_cache,
+                      L->v_cache, m->kv_bf16, s->slot_blocks, s->slot_offsets, R, m->heads,
+                      m->kv_heads, D, m->block_size, nthreads);
+        for (int r = 0; r < R; r++) memcpy(s->q + (size_t)r * q_width, q + (size_t)r * qkv_n, sizeof(float) * q_width);
+        m->attend(s->q, L->k_cache, L->v_cache, s->tables, s->context_lens, s->attn, R, m->heads,
+                  m->kv_heads, D, m->block_size, s->max_blocks, s->window, m->scale, nthreads);
+        project(&L->o, s->attn, s->delta, s, nthreads);
+        add_rms_norm(x, s->delta, L->post_attn_norm, s->h, R, m->hidden, m->eps, nthreads);
+        project(&L->gate_up, s->h, s->gate_up, s, nthreads);
+        silu_mul(s->gate_up, s->act, R, m->inter, nthreads);
+        project(&L->down, s->act, s->delta, s, nthreads);
+        delta = s->delta;
+    }
+    add_rms_norm(x, delta, m->final_norm, out, R, m->hidden, m->eps, nthreads);
 }
