@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from helpers import MARCHES
 
 from pdserve.model import fused, kernels
+from pdserve.model.kv_dtype import write_kv
 from pdserve.model.layers import RotaryEmbedding, rms_norm
 
 
@@ -33,10 +34,17 @@ def test_add_rms_norm(rows, cols, with_delta):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.float(), b.float()  # exact for every cache dtype
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 200])  # 200: threaded
 @pytest.mark.parametrize("heads, kv_heads, d", [(8, 4, 64), (4, 1, 32), (2, 2, 40)])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_rope_write_kv(tokens, heads, kv_heads, d, cache_dtype):
+    """Rotated as layers.py rotates, and stored as kv_dtype.write_kv stores (torch's rounding)."""
+    fp8 = cache_dtype is torch.float8_e4m3fn
     rope = RotaryEmbedding(d, 512, 10000.0, None, torch.float32)
     qkv = _rand(tokens, (heads + 2 * kv_heads) * d, seed=4)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)  # strided rows, as in the model
@@ -46,21 +54,30 @@ def test_rope_write_kv(tokens, heads, kv_heads, d, cache_dtype):
     slots = torch.randperm(blocks * bs, generator=torch.Generator().manual_seed(6))[:tokens]
     slot_blocks, slot_offsets = slots // bs, slots % bs
     exp_q, exp_k = rope(positions, q, k)
-    v[0, 0, :3] = torch.tensor([float("nan"), float("inf"), 1.0 + 3 * 2 ** -8])  # NaN; a tie that rounds up, to even
-    exp_kc = torch.zeros(blocks, kv_heads, bs, d, dtype=cache_dtype)
-    exp_vc = torch.zeros_like(exp_kc)
-    exp_kc[slot_blocks, :, slot_offsets] = exp_k.to(cache_dtype)
-    exp_vc[slot_blocks, :, slot_offsets] = v.to(cache_dtype)
-    kc, vc = torch.zeros_like(exp_kc), torch.zeros_like(exp_vc)
-    out_q, out_k = fused.rope_write_kv(rope, positions, q, k, v, kc, vc, slot_blocks, slot_offsets)
+    if fp8:
+        v[0, 0] = 0.0  # scale 1
+        v[0, -1] = torch.tensor([448.0] + [1.0625, 1.1875, -1.1875, 2.375] * d)[:d]  # scale 1; ties to even
+        v[-1, -1] = torch.logspace(-6, 0, d) * torch.tensor([1.0, -1.0]).repeat(d // 2)  # subnormal codes
+    else:
+        v[0, 0, :3] = torch.tensor([float("nan"), float("inf"), 1.0 + 3 * 2 ** -8])  # a tie rounding up, to even
+
+    def caches():
+        kc = torch.zeros(blocks, kv_heads, bs, d, dtype=cache_dtype)
+        scales = (torch.zeros(blocks, kv_heads, bs), torch.zeros(blocks, kv_heads, bs)) if fp8 else None
+        return kc, torch.zeros_like(kc), scales
+
+    kc, vc, scales = caches()
+    out_q, out_k = fused.rope_write_kv(rope, positions, q, k, v, kc, vc, slot_blocks, slot_offsets, scales)
     torch.testing.assert_close(out_q, exp_q, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out_k, exp_k, rtol=1e-5, atol=1e-6)
-    tolerance = dict(rtol=1e-2, atol=1e-2) if cache_dtype is torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(kc, exp_kc, **tolerance)
-    written_k = kc[slot_blocks, :, slot_offsets]
-    assert torch.equal(written_k, out_k.to(cache_dtype))  # the C path converts as torch rounds
-    assert torch.equal(vc.isnan(), exp_vc.isnan())
-    assert torch.equal(vc.nan_to_num(0.0), exp_vc.nan_to_num(0.0))
+    want_kc, want_vc, want_scales = caches()  # the rows it rotated, stored by torch
+    write_kv(want_kc, want_vc, out_k, v, slot_blocks, slot_offsets, want_scales)
+    assert _same_values(kc, want_kc) and _same_values(vc, want_vc)
+    if fp8:
+        assert torch.equal(kc.view(torch.uint8), want_kc.view(torch.uint8))
+        assert torch.equal(vc.view(torch.uint8), want_vc.view(torch.uint8))
+        assert torch.equal(scales[0], want_scales[0]) and torch.equal(scales[1], want_scales[1])
+        assert (vc[slot_blocks[-1], -1, slot_offsets[-1]].view(torch.uint8) & 0x78 == 0).sum() > 4  # subnormals
 
 
 @pytest.mark.parametrize("rows, inter", [(1, 16), (32, 1408), (3, 37), (100, 1408)])

@@ -27,7 +27,7 @@ def _lib(march: str) -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.add_rms_norm.argtypes = [_p, _p, _p, _p, _i, _i, _f, _i]
-    lib.rope_write_kv.argtypes = [_p, _l, _p, _l, _p, _l, _p, _p, _p, _p, _p, _i, _p, _p,
+    lib.rope_write_kv.argtypes = [_p, _l, _p, _l, _p, _l, _p, _p, _p, _p, _p, _p, _p, _i, _p, _p,
                                   _i, _i, _i, _i, _i, _i]
     lib.silu_mul.argtypes = [_p, _p, _i, _i, _i]
     lib.argmax_logsumexp.argtypes = [_p, _i, _i, _p, _p, _i]
@@ -36,7 +36,8 @@ def _lib(march: str) -> ctypes.CDLL | None:
     return lib
 
 
-_NATIVE_CACHES = (torch.float32, torch.bfloat16)  # rope_write_kv converts to bfloat16 as torch rounds
+# The caches rope_write_kv stores to, converting as torch rounds (decoder_ops.c's enum kv_kind).
+KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 
 
 def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
@@ -71,22 +72,29 @@ def rope_write_kv(rope: RotaryEmbedding, positions: torch.Tensor, q: torch.Tenso
                   scales: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Rotate q [tokens, heads, d] and k [tokens, kv_heads, d] by position and write k and v into
     their cache slots, in the cache's dtype (`scales`: an fp8 cache's, kv_dtype.py). Returns the
-    rotated (q, k); the C path (a float32 or bfloat16 cache) rotates in place."""
+    rotated (q, k); the C path rotates in place."""
     lib = _native(q, k, v, rope.cos)
-    if (lib is None or k_cache.dtype not in _NATIVE_CACHES or v_cache.dtype is not k_cache.dtype
-            or not all(_heads_packed(t) for t in (q, k, v))):
+    if (lib is None or k_cache.dtype not in KV_KINDS or v_cache.dtype is not k_cache.dtype
+            or not all(_heads_packed(t) for t in (q, k, v)) or not scales_native(k_cache, scales)):
         q, k = rope(positions, q, k)
         write_kv(k_cache, v_cache, k, v, slot_blocks, slot_offsets, scales)
         return q, k
     tokens, num_heads, d = q.shape
     _, kv_heads, block_size, _ = k_cache.shape
+    scale_ptrs = (scales[0].data_ptr(), scales[1].data_ptr()) if scales else (None, None)
     lib.rope_write_kv(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
                       v.stride(0), positions.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
-                      k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype is torch.bfloat16,
-                      slot_blocks.data_ptr(),
-                      slot_offsets.data_ptr(), tokens, num_heads, kv_heads, d, block_size,
-                      torch.get_num_threads())
+                      k_cache.data_ptr(), v_cache.data_ptr(), *scale_ptrs, KV_KINDS[k_cache.dtype],
+                      slot_blocks.data_ptr(), slot_offsets.data_ptr(), tokens, num_heads, kv_heads, d,
+                      block_size, torch.get_num_threads())
     return q, k
+
+
+def scales_native(k_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """Whether the C ops can write this cache's scales: contiguous float32 ones for fp8, none otherwise."""
+    if k_cache.dtype is not torch.float8_e4m3fn:
+        return scales is None
+    return scales is not None and all(s.dtype is torch.float32 and s.is_contiguous() for s in scales)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,13 @@
 """A decode step's decoder layers in one native call (kernels/decoder_ops.c, `decode_layers`).
 
-Rank 0 of a TP size 1 model whose projections are all kernels/int4_linear.c ones (a quantized
-model where that kernel builds), float32 activations, a float32 or bfloat16 KV cache, and a step of
-single-token decodes only: the common decode step of a quantized model on one CPU. Anything else
-(prefills, fp8 KV, TP > 1, QK norms, float weights) takes llama.py's layer-by-layer path. The C loop
-calls the same kernels in the same order on the same values, so the hidden states are bit for bit
-the same (tests/model/test_fused_decode.py). What it removes is Python: SmolLM2-135M int4 at batch 1
-made ~270 calls a step from Python, each with its tensor bookkeeping, and the step took ~3 ms more
-than its kernels did.
+A TP size 1 model whose projections are all kernels/int4_linear.c ones (a quantized model where
+that kernel builds), float32 activations, and a step of single-token decodes only: the common decode
+step of a quantized model on one CPU, with a float32, bfloat16 or fp8 KV cache. Anything else
+(prefills, TP > 1, QK norms, float weights) takes llama.py's layer-by-layer path. The C loop calls
+the same kernels in the same order on the same values, so the hidden states are bit for bit the
+same (tests/model/test_fused_decode.py). What it removes is Python: SmolLM2-135M int4 at batch 1
+made ~270 calls a step from Python, each with its tensor bookkeeping, ~3 ms of an ~11 ms step
+beyond its kernels.
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ import torch
 
 from pdserve.model import kernels
 from pdserve.model.attention import AttentionMetadata, native_decode
-from pdserve.model.fused import _lib
+from pdserve.model.fused import KV_KINDS, _lib, scales_native
 from pdserve.model.linear import Int4Linear, Int8Linear, _int4_lib_for
 
 if TYPE_CHECKING:
     from pdserve.model.llama import CausalLM
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class _Linear(ctypes.Structure):
@@ -36,12 +35,12 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
                 ("qkv_bias", _p), ("input_norm", _p), ("post_attn_norm", _p), ("k_cache", _p),
-                ("v_cache", _p)]
+                ("v_cache", _p), ("k_scales", _p), ("v_scales", _p)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i), ("hidden", _i), ("heads", _i), ("kv_heads", _i), ("head_dim", _i),
-                ("inter", _i), ("block_size", _i), ("kv_bf16", _i), ("eps", _f), ("scale", _f),
+                ("inter", _i), ("block_size", _i), ("kv_kind", _i), ("eps", _f), ("scale", _f),
                 ("cos", _p), ("sin", _p), ("final_norm", _p), ("attend", _p), ("layers", _p)]
 
 
@@ -104,12 +103,12 @@ class FusedDecode:
         return cls(model, ops, layers)
 
     def takes(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]], meta: AttentionMetadata) -> bool:
-        """Whether this step can run here: single-token decodes only, a float32 or bfloat16 cache."""
+        """Whether this step can run here: single-token decodes only, a cache the C ops store to."""
         if meta.prefills or meta.decode_start != 0 or meta.decode_block_tables is None:
             return False
-        k_cache = kv_caches[0][0]
-        return (len(kv_caches[0]) == 2 and k_cache.dtype in _KV_DTYPES and x.is_contiguous()
-                and native_decode(k_cache.dtype) is not None)
+        k_cache, _, *scales = kv_caches[0]
+        return (k_cache.dtype in KV_KINDS and scales_native(k_cache, tuple(scales) or None)
+                and x.is_contiguous() and native_decode(k_cache.dtype) is not None)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -132,16 +131,18 @@ class FusedDecode:
         if self._caches is None or self._caches[0] != key:
             m, spec, dtype = self.model, self.model.spec, kv_caches[0][0].dtype
             layers = (_Layer * len(m.layers))()
-            for entry, layer, lins, (k_cache, v_cache) in zip(layers, m.layers, self.linears, kv_caches):
+            for entry, layer, lins, (k_cache, v_cache, *scales) in zip(layers, m.layers, self.linears, kv_caches):
                 bias = layer.qkv_bias.data_ptr() if layer.qkv_bias is not None else None
                 entry.qkv, entry.o, entry.gate_up, entry.down = lins
                 entry.qkv_bias, entry.input_norm = bias, layer.input_norm.data_ptr()
                 entry.post_attn_norm = layer.post_attn_norm.data_ptr()
                 entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+                if scales:
+                    entry.k_scales, entry.v_scales = scales[0].data_ptr(), scales[1].data_ptr()
             first = m.layers[0]
             struct = _Model(len(m.layers), spec.hidden_size, first.num_heads, first.num_kv_heads,
                             spec.head_dim, self.widths["act"], kv_caches[0][0].shape[2],
-                            int(dtype is torch.bfloat16), spec.rms_norm_eps, spec.head_dim ** -0.5,
+                            KV_KINDS[dtype], spec.rms_norm_eps, spec.head_dim ** -0.5,
                             m.rope.cos.data_ptr(), m.rope.sin.data_ptr(), m.norm.data_ptr(),
                             ctypes.cast(native_decode(dtype).fn, _p).value, ctypes.addressof(layers))
             self._caches = (key, dtype, struct, layers)  # the array lives as long as the struct uses it

@@ -5,7 +5,7 @@
  * Small inputs (a decode step) run on the calling thread; large ones (a prefill) split their rows.
  *   add_rms_norm   x += delta; out = weight * x / sqrt(mean(x^2) + eps)   (transformers' RMSNorm)
  *   rope_write_kv  rotate q and k in place (half-split "rotate_half" layout, cos/sin tables by
- *                  position), then store k and v in their cache slots (float32 or bfloat16)
+ *                  position), then store k and v in their cache slots (float32, bfloat16 or fp8)
  *   silu_mul       out = silu(gate) * up, gate and up the two halves of each row
  * and, on the logits, the greedy pick with the normaliser the sampled token's logprob needs:
  *   argmax_logsumexp
@@ -70,24 +70,61 @@ static inline uint16_t bf16_bits(float f) {
     return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
-/* One head's D values into a cache slot, as the cache stores them (float32 or bfloat16). */
-static inline void store_slot(void *cache, size_t slot, const float *x, int D, int bf16) {
-    if (!bf16) {
-        memcpy((float *)cache + slot, x, sizeof(float) * D);
-        return;
+/* float32 -> fp8 e4m3fn as torch rounds it (to nearest even, subnormals included; c10's
+ * fp8e4m3fn_from_fp32_value). The caller has clamped x to +-448. */
+static inline uint8_t fp8_bits(float x) {
+    uint32_t u, denorm;
+    memcpy(&u, &x, sizeof u);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t code;
+    if (u >= 1087u << 20) {
+        code = 0x7F; /* NaN (and anything from 480 up, which the clamp rules out) */
+    } else if (u < 121u << 23) { /* a subnormal or zero: let the FPU round at the denormal scale */
+        const uint32_t mask = 141u << 23;
+        float f, m;
+        memcpy(&f, &u, sizeof f);
+        memcpy(&m, &mask, sizeof m);
+        f += m;
+        memcpy(&denorm, &f, sizeof denorm);
+        code = (uint8_t)(denorm - mask);
+    } else {
+        const uint32_t odd = (u >> 20) & 1;
+        u += ((uint32_t)(7 - 127) << 23) + 0x7FFFF + odd;
+        code = (uint8_t)(u >> 20);
     }
-    uint16_t *out = (uint16_t *)cache + slot;
-    for (int i = 0; i < D; i++) out[i] = bf16_bits(x[i]);
+    return code | (uint8_t)(sign >> 24);
+}
+
+enum kv_kind { KV_FLOAT32, KV_BFLOAT16, KV_FP8 };
+
+/* One head's D values into cache slot `slot` (of [blocks, H, bs]), as the cache stores them: float32,
+ * bfloat16, or fp8 with the slot's scale (kv_dtype.py's quantize: the row's absolute maximum over
+ * 448, 1 for a row of zeros) in `scales`. */
+static inline void store_slot(void *cache, float *scales, size_t slot, const float *x, int D, int kind) {
+    if (kind == KV_FLOAT32) {
+        memcpy((float *)cache + slot * D, x, sizeof(float) * D);
+    } else if (kind == KV_BFLOAT16) {
+        uint16_t *out = (uint16_t *)cache + slot * D;
+        for (int i = 0; i < D; i++) out[i] = bf16_bits(x[i]);
+    } else {
+        float amax = 0.0f;
+        for (int i = 0; i < D; i++) amax = fmaxf(amax, fabsf(x[i]));
+        const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+        uint8_t *out = (uint8_t *)cache + slot * D;
+        for (int i = 0; i < D; i++) out[i] = fp8_bits(fminf(fmaxf(x[i] / scale, -448.0f), 448.0f));
+        scales[slot] = scale;
+    }
 }
 
 /* q: [tokens, Hq, D] with row stride q_stride; k, v: [tokens, H, D] with strides k_stride,
- * v_stride. Caches [blocks, H, bs, D], float32 or (`bf16`) bfloat16; token t goes to
- * (slot_blocks[t], slot_offsets[t]). */
+ * v_stride. Caches [blocks, H, bs, D] of `kind` (fp8's scales [blocks, H, bs]; NULL otherwise);
+ * token t goes to (slot_blocks[t], slot_offsets[t]). */
 void rope_write_kv(float *q, int64_t q_stride, float *k, int64_t k_stride, const float *v,
                    int64_t v_stride, const int64_t *positions, const float *cos, const float *sin,
-                   void *k_cache, void *v_cache, int bf16, const int64_t *slot_blocks,
-                   const int64_t *slot_offsets, int tokens, int Hq, int H, int D, int bs,
-                   int nthreads) {
+                   void *k_cache, void *v_cache, float *k_scales, float *v_scales, int kind,
+                   const int64_t *slot_blocks, const int64_t *slot_offsets, int tokens, int Hq, int H,
+                   int D, int bs, int nthreads) {
     const int half = D / 2;
 #pragma omp parallel for num_threads(nthreads) if ((int64_t)tokens * (Hq + 2 * H) * D >= PARALLEL_MIN_ELEMENTS)
     for (int t = 0; t < tokens; t++) {
@@ -96,9 +133,9 @@ void rope_write_kv(float *q, int64_t q_stride, float *k, int64_t k_stride, const
         for (int h = 0; h < H; h++) {
             float *kh = k + t * k_stride + (int64_t)h * D;
             rotate(kh, c, s, half);
-            const size_t slot = (((size_t)slot_blocks[t] * H + h) * bs + slot_offsets[t]) * D;
-            store_slot(k_cache, slot, kh, D, bf16);
-            store_slot(v_cache, slot, v + t * v_stride + (int64_t)h * D, D, bf16);
+            const size_t slot = ((size_t)slot_blocks[t] * H + h) * bs + slot_offsets[t];
+            store_slot(k_cache, k_scales, slot, kh, D, kind);
+            store_slot(v_cache, v_scales, slot, v + t * v_stride + (int64_t)h * D, D, kind);
         }
     }
 }
@@ -215,6 +252,10 @@ typedef void (*linear_fn)(const float *x, int m, int k, const void *w, const voi
 typedef void (*attend_fn)(const float *q, const void *k_cache, const void *v_cache,
                           const int64_t *tables, const int32_t *ctx_lens, float *out, int B, int Hq,
                           int H, int D, int bs, int max_blocks, int window, float scale, int nthreads);
+typedef void (*attend_scaled_fn)(const float *q, const void *k_cache, const void *v_cache,
+                                 const float *k_scales, const float *v_scales, const int64_t *tables,
+                                 const int32_t *ctx_lens, float *out, int B, int Hq, int H, int D,
+                                 int bs, int max_blocks, int window, float scale, int nthreads);
 
 struct linear { /* out = n rows of the weight, in = k (multiples of 16 and 32) */
     linear_fn fn;
@@ -226,13 +267,14 @@ struct layer {
     struct linear qkv, o, gate_up, down;
     const float *qkv_bias, *input_norm, *post_attn_norm; /* qkv_bias may be NULL */
     void *k_cache, *v_cache;
+    float *k_scales, *v_scales; /* fp8's, else NULL */
 };
 
 struct model {
-    int num_layers, hidden, heads, kv_heads, head_dim, inter, block_size, kv_bf16;
+    int num_layers, hidden, heads, kv_heads, head_dim, inter, block_size, kv_kind;
     float eps, scale; /* the RMSNorms' epsilon; attention's 1 / sqrt(head_dim) */
     const float *cos, *sin, *final_norm;
-    attend_fn attend;
+    void *attend; /* an attend_fn, or for fp8 an attend_scaled_fn */
     const struct layer *layers;
 };
 
@@ -264,11 +306,17 @@ void decode_layers(const struct model *m, const struct step *s, float *x, float 
                 for (int c = 0; c < qkv_n; c++) s->qkv[(size_t)r * qkv_n + c] += L->qkv_bias[c];
         float *q = s->qkv, *k = q + q_width, *v = k + kv_width;
         rope_write_kv(q, qkv_n, k, qkv_n, v, qkv_n, s->positions, m->cos, m->sin, L->k_cache,
-                      L->v_cache, m->kv_bf16, s->slot_blocks, s->slot_offsets, R, m->heads,
-                      m->kv_heads, D, m->block_size, nthreads);
+                      L->v_cache, L->k_scales, L->v_scales, m->kv_kind, s->slot_blocks,
+                      s->slot_offsets, R, m->heads, m->kv_heads, D, m->block_size, nthreads);
         for (int r = 0; r < R; r++) memcpy(s->q + (size_t)r * q_width, q + (size_t)r * qkv_n, sizeof(float) * q_width);
-        m->attend(s->q, L->k_cache, L->v_cache, s->tables, s->context_lens, s->attn, R, m->heads,
-                  m->kv_heads, D, m->block_size, s->max_blocks, s->window, m->scale, nthreads);
+        if (m->kv_kind == KV_FP8)
+            ((attend_scaled_fn)m->attend)(s->q, L->k_cache, L->v_cache, L->k_scales, L->v_scales,
+                                          s->tables, s->context_lens, s->attn, R, m->heads, m->kv_heads,
+                                          D, m->block_size, s->max_blocks, s->window, m->scale, nthreads);
+        else
+            ((attend_fn)m->attend)(s->q, L->k_cache, L->v_cache, s->tables, s->context_lens, s->attn, R,
+                                   m->heads, m->kv_heads, D, m->block_size, s->max_blocks, s->window,
+                                   m->scale, nthreads);
         project(&L->o, s->attn, s->delta, s, nthreads);
         add_rms_norm(x, s->delta, L->post_attn_norm, s->h, R, m->hidden, m->eps, nthreads);
         project(&L->gate_up, s->h, s->gate_up, s, nthreads);
