@@ -13,7 +13,6 @@ beyond its kernels.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,8 +21,6 @@ from pdserve.model.attention import AttentionMetadata, native_decode
 from pdserve.model.fused import KV_KINDS, _lib, scales_native
 from pdserve.model.linear import Int4Linear, Int8Linear, _int4_lib_for
 
-if TYPE_CHECKING:
-    from pdserve.model.llama import CausalLM
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -67,10 +64,11 @@ def _linear(layer: Int4Linear | Int8Linear, lib: ctypes.CDLL) -> _Linear | None:
 
 
 class FusedDecode:
-    """`decode_layers` for one model: its weights' addresses gathered once, the KV caches' once per
-    cache set, scratch grown to the largest batch seen."""
+    """`decode_layers` for one model (a CausalLM, typed as a Module so this file need not import
+    llama): its weights' addresses gathered once, the KV caches' once per cache set, scratch grown
+    to the largest batch seen."""
 
-    def __init__(self, model: CausalLM, ops: ctypes.CDLL, layers: list[tuple[_Linear, ...]]):
+    def __init__(self, model: torch.nn.Module, ops: ctypes.CDLL, layers: list[tuple[_Linear, ...]]):
         spec, first = model.spec, model.layers[0]
         self.model, self.ops, self.linears = model, ops, layers
         self.widths = {"h": spec.hidden_size, "qkv": layers[0][0].n, "q": first.num_heads * spec.head_dim,
@@ -81,7 +79,7 @@ class FusedDecode:
         self._scratch: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def build(cls, model: CausalLM) -> FusedDecode | None:
+    def build(cls, model: torch.nn.Module) -> FusedDecode | None:
         """The fused path for `model`, or None when some part of it needs the Python one."""
         if model.tp.size != 1 or model.dtype is not torch.float32 or model.spec.qk_norm:
             return None
