@@ -80,10 +80,30 @@ def test_the_placement_log_says_where_each_request_went():
 
 
 def test_the_placement_log_file_gets_a_whole_json_line_per_placement(tmp_path):
-    from pdserve.proxy.app import placement_recorder
+    from pdserve.proxy.app import PlacementLog
     path = tmp_path / "placements.jsonl"
-    record = placement_recorder(str(path))
+    record = PlacementLog(str(path))
     record({"request_id": "a", "held": {"http://p": 16}})
     record({"request_id": "b", "held": {}})
     lines = path.read_text().splitlines()  # line-buffered: readable while the proxy runs
     assert [json.loads(line)["request_id"] for line in lines] == ["a", "b"]
+    record.close()
+    assert record.out.closed
+
+
+def test_the_proxy_closes_its_placement_log_when_it_stops(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from pdserve.config import ProxyConfig
+    from pdserve.proxy.app import create_app
+    path = tmp_path / "placements.jsonl"
+    before = _open_files_at(path)
+    with TestClient(create_app(ProxyConfig((), ("http://127.0.0.1:9",), placement_log=str(path)))):
+        assert _open_files_at(path) == before + 1
+    assert _open_files_at(path) == before
+
+
+def _open_files_at(path) -> int:
+    import os
+    fds = os.listdir("/proc/self/fd")
+    return sum(1 for fd in fds if os.path.realpath(f"/proc/self/fd/{fd}") == str(path))

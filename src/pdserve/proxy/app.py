@@ -47,9 +47,10 @@ def create_app(config: ProxyConfig) -> FastAPI:
     metrics = ProxyMetrics()
     collections = PauseTimer()
     metrics.registry.register(HeapMetrics("pdserve_proxy", collections))
+    placements = PlacementLog(config.placement_log) if config.placement_log else None
     flow = PDFlow(router, metrics, config.upstream_protocol, config.max_wait_s,
                   DisaggPolicy(config.local_prefill_max_tokens, config.local_prefill_max_queue), prompts,
-                  placement_recorder(config.placement_log) if config.placement_log else None)
+                  placements)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -61,6 +62,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
         finally:
             await router.stop()
             collections.uninstall()
+            if placements is not None:
+                placements.close()
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan)
     app.add_middleware(RequestContext, api_key=config.api_key, log=False)
@@ -177,10 +180,15 @@ def create_app(config: ProxyConfig) -> FastAPI:
     return app
 
 
-def placement_recorder(path: str):
-    """Appends each placement to `path` as a JSON line (line-buffered: a line is whole once written)."""
-    out = open(path, "a", buffering=1)
+class PlacementLog:
+    """Appends each placement to `path` as a JSON line (line-buffered: a line is whole once written);
+    closed when the proxy stops."""
 
-    def record(placement: dict) -> None:
-        out.write(json.dumps(placement) + "\n")
-    return record
+    def __init__(self, path: str):
+        self.out = open(path, "a", buffering=1)
+
+    def __call__(self, placement: dict) -> None:
+        self.out.write(json.dumps(placement) + "\n")
+
+    def close(self) -> None:
+        self.out.close()
