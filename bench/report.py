@@ -285,7 +285,7 @@ def main() -> int:
     mt = load("multiturn")
     if mt:
         lines += report_reuse.multiturn(mt, load("multiturn_kv_aware")) + [""]
-    for name in ("pull_breakeven", "kv_events", "index_exactness", "routing", "routing_speedup03", "routing_multiturn",
+    for name in ("pull_breakeven", "kv_events", "index_exactness", "routing", "routing_speedup03", "routing_load", "routing_multiturn",
                  "proxy_tokenize"):
         data = load(name)
         if data is not None:

@@ -115,6 +115,22 @@ def routing_speedup03(r: dict) -> list[str]:
             "helped by its producers' pulls."]
 
 
+def routing_load(r: dict) -> list[str]:
+    """TTFT as the load rises (bench/routing_load.py): one row per engine speed."""
+    policies = r["policies"]
+    others = [p for p in policies if p != "kv-aware"]
+    lines = ["**Routing as the load rises** (`bench/routing_load.py`: the same trace and 4P4D mock instances, "
+             "every engine 1/speedup as fast; one run per point). Hit rate, TTFT p50 / p90 ms:", "",
+             "| speedup | " + " | ".join(policies) + " | " + " | ".join(f"{p} ÷ kv-aware, p50 / p90" for p in others)
+             + " |", "|---" * (1 + len(policies) + len(others)) + "|"]
+    for point in r["points"]:
+        cells = [f"{x['prefix_hit_rate']:.1%}, {x['ttft_p50_ms']:.0f} / {x['ttft_p90_ms']:.0f}"
+                 for x in (point["results"][p] for p in policies)]
+        ratios = [f"{point['ttft_p50_over_kv_aware'][p]}× / {point['ttft_p90_over_kv_aware'][p]}×" for p in others]
+        lines.append(f"| {point['speedup']:g} | " + " | ".join(cells + ratios) + " |")
+    return lines + ["", "![TTFT as the load rises](bench/results/routing_load.png)"]
+
+
 def routing_multiturn(r: dict) -> list[str]:
     lines = [f"**Multi-turn routing on real instances** (`bench/routing_multiturn.py`, 1P2D `small`, "
              f"{r['sessions']} sessions of {r['turns']} turns: {r['system']}-token system prompt, {r['user']}-token "

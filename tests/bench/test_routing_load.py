@@ -1,0 +1,35 @@
+"""bench/routing_load.py's figure and the README's table of it (bench/report_reuse.py), from a made-up
+sweep: every point's row, its ratios to kv-aware, a plot written."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import report_reuse  # noqa: E402
+from routing_load import plot  # noqa: E402
+
+
+def _result(hit: float, p50: float, p90: float) -> dict:
+    return {"prefix_hit_rate": hit, "ttft_p50_ms": p50, "ttft_p90_ms": p90}
+
+
+SWEEP = {"rows": 800, "time_scale": 1.0, "num_blocks_per_instance": 384, "policies": ["kv-aware", "least-loaded"],
+         "points": [{"speedup": s, "results": {"kv-aware": _result(0.62, 100 / s, 300 / s),
+                                               "least-loaded": _result(0.54, 150 / s, 600 / s)},
+                     "ttft_p50_over_kv_aware": {"least-loaded": 1.5}, "ttft_p90_over_kv_aware": {"least-loaded": 2.0}}
+                    for s in (0.5, 0.25)]}
+
+
+def test_the_table_has_a_row_per_load_with_the_ratios():
+    lines = report_reuse.routing_load(SWEEP)
+    rows = [line for line in lines if line.startswith("| 0.")]
+    assert rows == ["| 0.5 | 62.0%, 200 / 600 | 54.0%, 300 / 1200 | 1.5× / 2.0× |",
+                    "| 0.25 | 62.0%, 400 / 1200 | 54.0%, 600 / 2400 | 1.5× / 2.0× |"]
+
+
+def test_the_plot_is_written(tmp_path):
+    plot(SWEEP, tmp_path / "load.png")
+    assert (tmp_path / "load.png").stat().st_size > 1000
