@@ -34,12 +34,16 @@ def plot(out: dict, path: Path) -> None:
     points = out["points"]
     load = [1 / p["speedup"] for p in points]
     fig, (ttft, ratio) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for policy in out["policies"]:
-        ttft.plot(load, [p["results"][policy]["ttft_p90_ms"] for p in points], "o-", label=f"{policy} p90")
-        ttft.plot(load, [p["results"][policy]["ttft_p50_ms"] for p in points], "o:", label=f"{policy} p50")
+    for i, policy in enumerate(out["policies"]):  # a colour per policy: p90 solid, p50 dotted
+        ttft.plot(load, [p["results"][policy]["ttft_p90_ms"] for p in points], "o-", color=f"C{i}",
+                  label=f"{policy} p90")
+        ttft.plot(load, [p["results"][policy]["ttft_p50_ms"] for p in points], "o:", color=f"C{i}",
+                  label=f"{policy} p50")
         if policy != "kv-aware":
-            ratio.plot(load, [p["ttft_p90_over_kv_aware"][policy] for p in points], "o-", label=f"{policy} p90")
-            ratio.plot(load, [p["ttft_p50_over_kv_aware"][policy] for p in points], "o:", label=f"{policy} p50")
+            ratio.plot(load, [p["ttft_p90_over_kv_aware"][policy] for p in points], "o-", color=f"C{i}",
+                       label=f"{policy} p90")
+            ratio.plot(load, [p["ttft_p50_over_kv_aware"][policy] for p in points], "o:", color=f"C{i}",
+                       label=f"{policy} p50")
     ttft.set_yscale("log")
     ttft.set_xlabel("load (1 / --mock-speedup)")
     ttft.set_title("TTFT (ms)")
