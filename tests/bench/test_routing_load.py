@@ -26,6 +26,7 @@ SWEEP = {"rows": 800, "time_scale": 1.0, "num_blocks_per_instance": 384, "polici
 def test_the_table_has_a_row_per_load_with_the_ratios():
     lines = report_reuse.routing_load(SWEEP)
     rows = [line for line in lines if line.startswith("| 0.")]
+    assert any(line.startswith("Least-loaded's TTFT p90 at least 2× kv-aware's (the target) at speedup 0.5, 0.25:") for line in lines)
     assert rows == ["| 0.5 | 62.0%, 200 / 600 | 54.0%, 300 / 1200 | 1.5× / 2.0× |",
                     "| 0.25 | 62.0%, 400 / 1200 | 54.0%, 600 / 2400 | 1.5× / 2.0× |"]
 
