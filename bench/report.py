@@ -289,7 +289,8 @@ def main() -> int:
                  "proxy_tokenize"):
         data = load(name)
         if data is not None:
-            lines += getattr(report_reuse, name)(data) + [""]
+            more = (load("routing_load_rerun"),) if name == "routing_load" else ()
+            lines += getattr(report_reuse, name)(data, *more) + [""]
     idle, start = load("idle_cpu"), load("startup")
     if idle:
         lines.append(f"Idle 1P1D + proxy: {idle['percent_of_one_core']} % of one core over "

@@ -115,8 +115,9 @@ def routing_speedup03(r: dict) -> list[str]:
             "helped by its producers' pulls."]
 
 
-def routing_load(r: dict) -> list[str]:
-    """TTFT as the load rises (bench/routing_load.py): one row per engine speed."""
+def routing_load(r: dict, rerun: dict | None = None) -> list[str]:
+    """TTFT as the load rises (bench/routing_load.py): one row per engine speed; `rerun`: the same
+    command again at some of those speeds, to show how much one point moves."""
     policies = r["policies"]
     others = [p for p in policies if p != "kv-aware"]
     lines = ["**Routing as the load rises** (`bench/routing_load.py`: the same trace and 4P4D mock instances, "
@@ -133,7 +134,10 @@ def routing_load(r: dict) -> list[str]:
     lines += ["", f"Least-loaded's TTFT p90 at least 2× kv-aware's (the target) at speedup {', '.join(met) if met else 'none'}: "
               "where the queues grow, the ~1.2× prompt tokens least-loaded computes compound; with little "
               "queueing TTFT follows the tokens on the critical path. One point moves by up to ~20 % between "
-              "runs here."]
+              "runs here" + (": run again (bench/results/routing_load_rerun.json), least-loaded's TTFT p90 over "
+                             "kv-aware's was " + ", ".join(
+                                 f"{v}× at speedup {point['speedup']:g}" for point in rerun["points"]
+                                 for v in point["ttft_p90_over_kv_aware"].values()) if rerun else "") + "."]
     return lines + ["", "![TTFT as the load rises](bench/results/routing_load.png)"]
 
 

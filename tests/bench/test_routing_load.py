@@ -34,3 +34,11 @@ def test_the_table_has_a_row_per_load_with_the_ratios():
 def test_the_plot_is_written(tmp_path):
     plot(SWEEP, tmp_path / "load.png")
     assert (tmp_path / "load.png").stat().st_size > 1000
+
+
+def test_a_rerun_is_quoted_beside_the_table():
+    rerun = {"points": [{"speedup": 0.25, "ttft_p90_over_kv_aware": {"least-loaded": 1.7}}]}
+    (said,) = [line for line in report_reuse.routing_load(SWEEP, rerun) if line.startswith("Least-loaded's")]
+    assert said.endswith("least-loaded's TTFT p90 over kv-aware's was 1.7× at speedup 0.25.")
+    (said,) = [line for line in report_reuse.routing_load(SWEEP) if line.startswith("Least-loaded's")]
+    assert said.endswith("between runs here.")
