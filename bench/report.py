@@ -285,12 +285,17 @@ def main() -> int:
     mt = load("multiturn")
     if mt:
         lines += report_reuse.multiturn(mt, load("multiturn_kv_aware")) + [""]
-    for name in ("pull_breakeven", "kv_events", "index_exactness", "routing", "routing_speedup03", "routing_load", "routing_multiturn",
-                 "proxy_tokenize"):
+    for name in ("pull_breakeven", "kv_events", "index_exactness", "routing", "routing_speedup03"):
         data = load(name)
         if data is not None:
-            more = (load("routing_load_rerun"),) if name == "routing_load" else ()
-            lines += getattr(report_reuse, name)(data, *more) + [""]
+            lines += getattr(report_reuse, name)(data) + [""]
+    sweep_load = load("routing_load")
+    if sweep_load:
+        lines += report_reuse.routing_load(sweep_load, load("routing_load_rerun")) + [""]
+    for name in ("routing_multiturn", "proxy_tokenize"):
+        data = load(name)
+        if data is not None:
+            lines += getattr(report_reuse, name)(data) + [""]
     idle, start = load("idle_cpu"), load("startup")
     if idle:
         lines.append(f"Idle 1P1D + proxy: {idle['percent_of_one_core']} % of one core over "
