@@ -12,7 +12,7 @@ from test_flow_decision import FakeInstance, HeldIndex, Ids, _drain, _never_gone
 from pdserve.health import PrefixCacheInfo
 from pdserve.proxy.flow import PDFlow
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.policy import LOAD_TOKENS
+from pdserve.proxy.placement import REQUEST_TOKENS
 from pdserve.proxy.router import Router
 from pdserve.proxy.upstream import Reply
 
@@ -52,11 +52,11 @@ async def _request(flow: PDFlow, tokens: int) -> str:
 def test_a_producer_counts_the_tokens_it_computes_while_the_request_is_there():
     async def main():
         producer = SlowProducer("http://p")
-        flow, _ = _flow([producer], {"http://p": 2})  # it caches 32 of the 320 tokens
+        flow, _ = _flow([producer], {"http://p": 2})  # it caches 32 of the 96 tokens
         (state,) = flow.router.prefill.states
-        task = asyncio.ensure_future(_request(flow, 320))
+        task = asyncio.ensure_future(_request(flow, 96))
         await asyncio.sleep(0.05)
-        assert state.outstanding == 1 and state.pending_tokens == 288 > LOAD_TOKENS
+        assert state.outstanding == 1 and state.pending_tokens == 64 + REQUEST_TOKENS
         producer.release.set()
         assert await task == "remote"
         assert state.outstanding == 0 and state.pending_tokens == 0

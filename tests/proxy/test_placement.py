@@ -6,8 +6,8 @@ it can pull it; the conditional decision uses what decode lacks."""
 from __future__ import annotations
 
 from pdserve.health import PrefixCacheInfo
-from pdserve.proxy.placement import place
-from pdserve.proxy.policy import LOAD_TOKENS, order
+from pdserve.proxy.placement import REQUEST_TOKENS, place
+from pdserve.proxy.policy import order
 from pdserve.proxy.prompts import block_hashes
 from pdserve.proxy.router import Router
 
@@ -211,24 +211,24 @@ def test_a_producer_queue_weighs_the_tokens_placed_there_not_the_requests():
     r = router("kv-aware", {})
     p0, p1 = r.prefill.states
     in_flight(p0, 3000)
-    in_flight(p1, LOAD_TOKENS, 3)  # as Legs counts a short prompt
+    in_flight(p1, 40, 3)
     plan = place(r, PROMPT)
     assert plan.prefill[0] is p1
-    assert plan.work == {"http://p0": 320, "http://p1": 320}  # what each would compute of the prompt
+    assert plan.work == {"http://p0": 320 + REQUEST_TOKENS, "http://p1": 320 + REQUEST_TOKENS}
 
 
 def test_a_producer_reported_queue_counts_only_what_this_proxy_did_not_send():
     r = router("kv-aware", {})
     p0, p1 = r.prefill.states
-    in_flight(p0, LOAD_TOKENS, 2)
+    in_flight(p0, 40, 2)
     p0.queued = 2  # the two this proxy sent, waiting there: not counted twice
-    in_flight(p1, 900)
-    assert place(r, PROMPT, now=0.0).prefill[0] is p0  # 512 tokens queued against 900
-    p0.queued = 5  # three more from elsewhere: 3 x LOAD_TOKENS
+    in_flight(p1, 300)
+    assert place(r, PROMPT, now=0.0).prefill[0] is p0  # 80 tokens queued against 300
+    p0.queued = 4  # two more from elsewhere: 2 x LOAD_TOKENS
     assert place(r, PROMPT, now=60.0).prefill[0] is p1
 
 
 def test_the_work_a_producer_is_given_is_what_it_lacks_after_pulling():
     r = router("kv-aware", {"http://d0": 15, "http://p1": 5})
     plan = place(r, PROMPT)
-    assert plan.work == {"http://p0": LOAD_TOKENS, "http://p1": LOAD_TOKENS}  # both pull d0's 240: 80 left
+    assert plan.work == {"http://p0": 80 + REQUEST_TOKENS, "http://p1": 80 + REQUEST_TOKENS}  # both pull d0's 240

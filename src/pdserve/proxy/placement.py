@@ -10,11 +10,9 @@ as instances of a deployment are alike but for noise, and DEFAULT_TOKENS_PER_S b
                  + blocks D lacks moved over the fabric + D's queue / D's prefill rate
 
 P's queue is the prompt tokens this proxy placed there that are not prefilled yet, as each
-placement predicted them but at least LOAD_TOKENS each (`Placement.work`; Dynamo's router counts
-its workers' active prefill blocks alike), and LOAD_TOKENS for every request P reported waiting
-beyond those: a 3,000-token history P must compute weighs as such, not as one request among short
-ones, and a short one or a full hit still weighs what every request did before (its steps, the
-hand-off; siblings that find their prompt computing there still spread).
+placement predicted them, plus REQUEST_TOKENS each (`Placement.work`; Dynamo's router counts its
+workers' active prefill blocks alike), and LOAD_TOKENS for every request P reported waiting beyond
+those: a 3,000-token history P must compute weighs as such, not as one request among short ones.
 
 A producer lacks what neither its own cache nor another instance it can pull from holds
 (kv_transfer/pull.py: worth it from PULL_MIN_TOKENS on): producers claim from each other as from
@@ -44,6 +42,8 @@ STALL_BUDGET_S = 0.1  # a local prefill may hold decode's running streams this l
 STREAM_TOKENS = 32  # a stream a decode instance runs weighs as this many prompt tokens
 ALIKE = 2.0  # measured prefill rates within this factor of the median are noise: the median is used
 NEAR, NEAR_S = 0.1, 0.002  # predicted times within 10 % + 2 ms of the fastest count as equal
+REQUEST_TOKENS = 64  # a request in flight at a producer weighs this beyond the tokens it computes there
+# (its steps, the hand-off): siblings that find their prompt computing there still spread
 COMPUTING_S = 1.0  # a prompt placed on an instance counts as cached there this long past its predicted
 # prefill; by then the instance's KV events have told the index what it caches
 
@@ -63,8 +63,7 @@ class Placement:
     cached_anywhere: int | None = None  # kv-aware: the most prompt tokens any one instance holds (index)
     held: dict[str, int] = dataclasses.field(default_factory=dict)  # kv-aware: each healthy instance's, by URL
     work: dict[str, int] = dataclasses.field(default_factory=dict)  # kv-aware: the prompt tokens each
-    # producer would compute (what it lacks, at least LOAD_TOKENS), by URL: counted there while the
-    # request is (Legs)
+    # producer would compute (what it lacks), by URL: counted there while the request is (Legs)
 
 
 def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | None = None) -> Placement:
@@ -120,7 +119,7 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
     hashes = cached.of(first) if first is not None else []
     held = {s.url: cached.held(s) for s in caches}
     return Placement(decode, prefill, n, n - cached(first) if first is not None else n, is_local, holders, hashes,
-                     max(held.values(), default=0), held, {p.url: max(lacks(p), LOAD_TOKENS) for p in prefill})
+                     max(held.values(), default=0), held, {p.url: lacks(p) + REQUEST_TOKENS for p in prefill})
 
 
 def producer_queue_tokens(p: UpstreamState) -> int:
