@@ -6,7 +6,7 @@ it can pull it; the conditional decision uses what decode lacks."""
 from __future__ import annotations
 
 from pdserve.health import PrefixCacheInfo
-from pdserve.proxy.placement import REQUEST_TOKENS, place
+from pdserve.proxy.placement import place
 from pdserve.proxy.policy import order
 from pdserve.proxy.prompts import block_hashes
 from pdserve.proxy.router import Router
@@ -43,14 +43,6 @@ def router(policy: str, cached: dict[str, int], num_prefill: int = 2, num_decode
     for s in r.prefill.states + r.decode.states:
         s.prefix_cache = INFO
     return r
-
-
-def in_flight(producer, tokens: int, requests: int = 1) -> None:
-    """`requests` more (fewer, when negative tokens) in flight at a producer, `tokens` prompt tokens
-    each to compute there, as Legs.count keeps them."""
-    sign = 1 if tokens >= 0 else -1
-    producer.outstanding += sign * requests
-    producer.pending_tokens += tokens * requests
 
 
 def test_round_robin_takes_turns_whatever_the_load():
@@ -103,10 +95,10 @@ def test_least_loaded_ignores_caches():
 def test_a_producer_counts_what_it_can_pull_from_decode():
     r = router("kv-aware", {"http://d1": 15, "http://p0": 2})
     r.decode.states[1].outstanding = 20
-    in_flight(r.prefill.states[0], 256)  # p0 caches 2 blocks of its own but is busy
+    r.prefill.states[0].outstanding = 1  # p0 caches 2 blocks of its own but is busy
     plan = place(r, PROMPT)
     assert plan.prefill[0].url == "http://p1"  # idle, and it can pull d1's 240 tokens too
-    in_flight(r.prefill.states[0], -256)
+    r.prefill.states[0].outstanding = 0
     assert place(r, PROMPT).prefill[0].url in ("http://p0", "http://p1")  # equal: both pull
 
 
@@ -128,7 +120,7 @@ def test_healthy_instances_come_first_under_every_policy():
 
 def test_a_producer_pulls_what_another_producer_caches_so_the_idle_one_is_chosen():
     r = router("kv-aware", {"http://p0": 15})  # p0 computed this prompt's 240 leading tokens
-    in_flight(r.prefill.states[0], 256, 2)  # and is busy now
+    r.prefill.states[0].outstanding = 2  # and is busy now
     plan = place(r, PROMPT)
     assert plan.prefill[0].url == "http://p1"  # idle: it pulls p0's blocks instead of computing them
     assert plan.holders[0].url == "http://p0"  # named to p1 as the holder to claim them from
@@ -147,7 +139,7 @@ def test_producers_share_requests_when_one_of_them_caches_the_shared_prefix():
     chosen = []
     for _ in range(8):  # requests arriving together: each waits until its first token
         plan = place(r, PROMPT)
-        in_flight(plan.prefill[0], plan.work[plan.prefill[0].url])
+        plan.prefill[0].outstanding += 1
         chosen.append(plan.prefill[0].url)
     assert {u: chosen.count(u) for u in set(chosen)} == {f"http://p{i}": 2 for i in range(4)}
 
@@ -204,31 +196,3 @@ def test_among_equals_a_history_stays_on_the_instances_that_hold_it():
     for i in range(4):
         plan = place(r, PROMPT, now=60.0 * i)
         assert (plan.prefill[0].url, plan.decode[0].url, plan.local) == ("http://p1", "http://d1", False)
-
-
-def test_a_producer_queue_weighs_the_tokens_placed_there_not_the_requests():
-    """One 3,000-token prompt in flight makes a producer busier than three 40-token ones."""
-    r = router("kv-aware", {})
-    p0, p1 = r.prefill.states
-    in_flight(p0, 3000)
-    in_flight(p1, 40, 3)
-    plan = place(r, PROMPT)
-    assert plan.prefill[0] is p1
-    assert plan.work == {"http://p0": 320 + REQUEST_TOKENS, "http://p1": 320 + REQUEST_TOKENS}
-
-
-def test_a_producer_reported_queue_counts_only_what_this_proxy_did_not_send():
-    r = router("kv-aware", {})
-    p0, p1 = r.prefill.states
-    in_flight(p0, 40, 2)
-    p0.queued = 2  # the two this proxy sent, waiting there: not counted twice
-    in_flight(p1, 300)
-    assert place(r, PROMPT, now=0.0).prefill[0] is p0  # 80 tokens queued against 300
-    p0.queued = 4  # two more from elsewhere: 2 x LOAD_TOKENS
-    assert place(r, PROMPT, now=60.0).prefill[0] is p1
-
-
-def test_the_work_a_producer_is_given_is_what_it_lacks_after_pulling():
-    r = router("kv-aware", {"http://d0": 15, "http://p1": 5})
-    plan = place(r, PROMPT)
-    assert plan.work == {"http://p0": 80 + REQUEST_TOKENS, "http://p1": 80 + REQUEST_TOKENS}  # both pull d0's 240

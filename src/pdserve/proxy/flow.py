@@ -135,8 +135,7 @@ class PDFlow:
         if _max_tokens(body) == 0 or (protocol == "pdserve" and _max_tokens(body) == 1):  # nothing to decode
             self.metrics.requests.labels("prefill_only").inc()
             if self.router.prefill.states:
-                return await self.legs.answer(self.router.prefill, path, body, headers, start, rank=plan.prefill,
-                                              work=plan.work)
+                return await self.legs.answer(self.router.prefill, path, body, headers, start, rank=plan.prefill)
             return await self.legs.answer(self.router.decode, path, body, headers, start, rank=plan.decode)
         decision = LOCAL if not self.router.prefill.states or (n > 1 and protocol == "vllm") \
             else self._decide(body, plan)
@@ -168,8 +167,7 @@ class PDFlow:
             p_body["max_tokens"] = 1
             if "max_completion_tokens" in p_body:
                 p_body["max_completion_tokens"] = 1
-        producer, p_resp = await self.legs.post(self.router.prefill, path, p_body, headers, rank=plan.prefill,
-                                                work=plan.work)
+        producer, p_resp = await self.legs.post(self.router.prefill, path, p_body, headers, rank=plan.prefill)
         self.metrics.prefill.observe(time.monotonic() - start)
         if p_resp.status_code != 200:
             self.metrics.requests.labels(f"prefill_{p_resp.status_code}").inc()

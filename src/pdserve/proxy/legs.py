@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.http.errors import APIError
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.policy import LOAD_TOKENS
 from pdserve.proxy.relay import carries_token, error_body, relay
 from pdserve.proxy.router import Pool, UpstreamState
 from pdserve.proxy.upstream import Reply, Stream, UpstreamError
@@ -51,11 +50,10 @@ class Legs:
         self.max_wait_s = max_wait_s
         self._keys = itertools.count()
 
-    async def post(self, pool: Pool, path: str, body: dict, headers: dict, prefills: bool = False,
-                   rank: list[UpstreamState] | None = None, work: dict | None = None) -> tuple[UpstreamState, Reply]:
+    async def post(self, pool: Pool, path: str, body: dict, headers: dict,
+                    prefills: bool = False, rank: list[UpstreamState] | None = None) -> tuple[UpstreamState, Reply]:
         """The first whole answer that is not a refusal (`prefills`: the prompt is prefilled there;
-        no first token is seen, so it counts until the instance's next report or the answer; `work`:
-        the prompt tokens each producer would compute, by URL, counted there until it answers)."""
+        no first token is seen, so it counts until the instance's next report or the answer)."""
         async def send(state: UpstreamState) -> Reply:
             key = next(self._keys)
             if prefills:
@@ -64,31 +62,30 @@ class Legs:
                 return await state.upstream.post_json(path, body, headers)
             finally:
                 state.unseen.pop(key, None)
-        state, resp = await self.take(pool, send, rank=rank, work=work)
-        self.count(pool, state, -1, work=work)
+        state, resp = await self.take(pool, send, rank=rank)
+        self.count(pool, state, -1)
         return state, resp
 
     async def answer(self, pool: Pool, path: str, body: dict, headers: dict, start: float,
-                     prefills: bool = False, rank: list[UpstreamState] | None = None,
-                     work: dict | None = None) -> Response:
+                      prefills: bool = False, rank: list[UpstreamState] | None = None) -> Response:
         """The client's answer from the first instance of the pool (in `rank`'s order) that takes
         the request (`prefills`: the prompt is prefilled there, which counts until its first token)."""
         if not body.get("stream"):
-            _, resp = await self.post(pool, path, body, headers, prefills, rank, work)
+            _, resp = await self.post(pool, path, body, headers, prefills, rank)
             self.metrics.e2e.observe(time.monotonic() - start)
             return passed_on(resp, headers)
         state, resp = await self.take(pool, lambda s: s.upstream.open_stream(path, body, headers), prefills,
-                                      rank, work)
+                                       rank)
         if resp.status_code != 200:
             detail = (await resp.read()).decode(errors="replace")
             await resp.close()
-            self.count(pool, state, -1, prefills, work)
+            self.count(pool, state, -1, prefills)
             return JSONResponse(error_body(resp.status_code, detail), status_code=resp.status_code, headers=headers)
-        return StreamingResponse(self._stream(pool, state, resp, start, prefills, work), media_type="text/event-stream",
+        return StreamingResponse(self._stream(pool, state, resp, start, prefills), media_type="text/event-stream",
                                  headers=headers)
 
-    async def take(self, pool: Pool, send, prefills: bool = False, rank: list[UpstreamState] | None = None,
-                   work: dict | None = None) -> tuple[UpstreamState, Reply | Stream]:
+    async def take(self, pool: Pool, send, prefills: bool = False,
+                    rank: list[UpstreamState] | None = None) -> tuple[UpstreamState, Reply | Stream]:
         """`send` to the pool's instances, best first, until one does not refuse. While every
         producer refuses (busy: its blocks are held for readers) the request waits, up to
         `max_wait_s`, as it would in a queue, holding nothing meanwhile; a decode leg does not wait
@@ -97,15 +94,15 @@ class Legs:
         pause = 0.1
         while True:
             try:
-                return await self.take_once(pool, send, prefills, rank, work)
+                return await self.take_once(pool, send, prefills, rank)
             except NoTaker:
                 if time.monotonic() + pause > deadline:
                     raise
             await asyncio.sleep(pause)
             pause = min(1.0, pause * 2)
 
-    async def take_once(self, pool: Pool, send, prefills: bool, rank: list[UpstreamState] | None,
-                        work: dict | None = None) -> tuple[UpstreamState, Reply | Stream]:
+    async def take_once(self, pool: Pool, send, prefills: bool,
+                         rank: list[UpstreamState] | None) -> tuple[UpstreamState, Reply | Stream]:
         """One try of every instance (in `rank`'s order, else least loaded first). A producer's error
         answer is kept and, if nobody takes the request, passed on (it ends the wait: it is no refusal)."""
         last, refused, failed = EMPTY, False, None
@@ -114,11 +111,11 @@ class Legs:
                 continue
             if i:
                 self.metrics.retries.labels(pool.role).inc()
-            self.count(pool, state, +1, prefills, work)
+            self.count(pool, state, +1, prefills)
             try:
                 resp = await send(state)
             except UpstreamError as e:
-                self.count(pool, state, -1, prefills, work)
+                self.count(pool, state, -1, prefills)
                 self._failed(pool, state, e)
                 if e.sent and pool.role == "decode":  # it may hold the single-use params now
                     raise APIError(502, f"decode instance {state.url} failed after taking the request: {e}") \
@@ -127,7 +124,7 @@ class Legs:
                 continue
             if resp.status_code == 503 or (pool.role == "prefill" and resp.status_code >= 500
                                            and resp.status_code != 504):
-                self.count(pool, state, -1, prefills, work)
+                self.count(pool, state, -1, prefills)
                 outcome = "refused" if resp.status_code == 503 else "failed"
                 self.metrics.upstream_requests.labels(pool.role, state.url, outcome).inc()
                 if outcome == "refused":
@@ -141,12 +138,11 @@ class Legs:
             self.metrics.upstream_requests.labels(pool.role, state.url, "ok").inc()
             return state, resp
         if failed is not None:
-            self.count(pool, failed[0], +1, prefills, work)  # the caller counts it down with its answer
+            self.count(pool, failed[0], +1, prefills)  # the caller counts it down with its answer
             return failed
         raise NoTaker(pool.role, refused, last)
 
-    async def _stream(self, pool: Pool, state: UpstreamState, resp: Stream, start: float, prefills: bool,
-                      work: dict | None):
+    async def _stream(self, pool: Pool, state: UpstreamState, resp: Stream, start: float, prefills: bool):
         try:
             async for chunk in relay(resp, pool.role, state.url, self.metrics, start):
                 if prefills and carries_token(chunk):  # that prompt's prefill is done
@@ -155,7 +151,7 @@ class Legs:
                 yield chunk
         finally:
             await resp.close()
-            self.count(pool, state, -1, prefills, work)
+            self.count(pool, state, -1, prefills)
 
     # --- bookkeeping ------------------------------------------------------------------------------
 
@@ -183,13 +179,8 @@ class Legs:
         self.metrics.upstream_requests.labels(pool.role, state.url, "timeout" if error.timeout
                                               else "unreachable").inc()
 
-    def count(self, pool: Pool, state: UpstreamState, delta: int, prefills: bool = False,
-              work: dict | None = None) -> None:
-        """`delta` requests in flight at `state`; on a producer, with the prompt tokens the placement
-        said it computes (`work`, by URL; LOAD_TOKENS when it did not say)."""
+    def count(self, pool: Pool, state: UpstreamState, delta: int, prefills: bool = False) -> None:
         state.outstanding += delta
-        if pool.role == "prefill":
-            state.pending_tokens += delta * (work or {}).get(state.url, LOAD_TOKENS)
         if prefills:
             state.prefilling += delta
         self.metrics.outstanding.labels(pool.role, state.url).set(state.outstanding)

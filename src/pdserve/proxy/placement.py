@@ -9,19 +9,14 @@ as instances of a deployment are alike but for noise, and DEFAULT_TOKENS_PER_S b
     TTFT(P, D) = REMOTE_OVERHEAD_S + (queue of P + prompt tokens P lacks) / P's prefill rate
                  + blocks D lacks moved over the fabric + D's queue / D's prefill rate
 
-P's queue is the prompt tokens this proxy placed there that are not prefilled yet, as each
-placement predicted them, plus REQUEST_TOKENS each (`Placement.work`; Dynamo's router counts its
-workers' active prefill blocks alike), and LOAD_TOKENS for every request P reported waiting beyond
-those: a 3,000-token history P must compute weighs as such, not as one request among short ones.
-
 A producer lacks what neither its own cache nor another instance it can pull from holds
 (kv_transfer/pull.py: worth it from PULL_MIN_TOKENS on): producers claim from each other as from
-decode, so the one with the best cache draws no more requests than the others. Prefilling on D
-instead ("local") costs (D's queue + tokens D lacks) / D's rate, and is allowed only when D holds
-part of the prompt and the prefill stalls D's running streams for at most STALL_BUDGET_S. On D
-every queued prompt weighs as LOAD_TOKENS prompt tokens and every stream it runs as STREAM_TOKENS,
-so the best cache does not draw every request (no pile-up). Other policies ignore caches and times
-(policy.py).
+decode, so the one with the best cache draws no more requests than the others. Prefilling on D instead ("local") costs
+(D's queue + tokens D lacks) / D's rate, and is allowed only when D holds part of the prompt and the
+prefill stalls D's running streams for at most STALL_BUDGET_S. Every queued request weighs as
+LOAD_TOKENS prompt tokens and every stream a decode instance runs as STREAM_TOKENS, so the best
+cache does not draw every request (no pile-up). Other
+policies ignore caches and times (policy.py).
 """
 
 from __future__ import annotations
@@ -42,8 +37,6 @@ STALL_BUDGET_S = 0.1  # a local prefill may hold decode's running streams this l
 STREAM_TOKENS = 32  # a stream a decode instance runs weighs as this many prompt tokens
 ALIKE = 2.0  # measured prefill rates within this factor of the median are noise: the median is used
 NEAR, NEAR_S = 0.1, 0.002  # predicted times within 10 % + 2 ms of the fastest count as equal
-REQUEST_TOKENS = 64  # a request in flight at a producer weighs this beyond the tokens it computes there
-# (its steps, the hand-off): siblings that find their prompt computing there still spread
 COMPUTING_S = 1.0  # a prompt placed on an instance counts as cached there this long past its predicted
 # prefill; by then the instance's KV events have told the index what it caches
 
@@ -62,8 +55,6 @@ class Placement:
     # blocks as the first decode candidate hashes them (what copies.py remembers a conversation by)
     cached_anywhere: int | None = None  # kv-aware: the most prompt tokens any one instance holds (index)
     held: dict[str, int] = dataclasses.field(default_factory=dict)  # kv-aware: each healthy instance's, by URL
-    work: dict[str, int] = dataclasses.field(default_factory=dict)  # kv-aware: the prompt tokens each
-    # producer would compute (what it lacks), by URL: counted there while the request is (Legs)
 
 
 def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | None = None) -> Placement:
@@ -88,12 +79,10 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
     def pullable(p: UpstreamState) -> int:  # the most another instance caches: p may claim it there
         return max((cached.held(s) for s in caches if s is not p), default=0)
 
-    def lacks(p: UpstreamState) -> int:
-        own, other = cached(p), pullable(p)
-        return n - (other if other - own >= PULL_MIN_TOKENS else own)
-
     def producer_s(p: UpstreamState) -> float:
-        return (producer_queue_tokens(p) + lacks(p)) / rate(p)
+        own, other = cached(p), pullable(p)
+        have = other if other - own >= PULL_MIN_TOKENS else own
+        return (LOAD_TOKENS * (p.outstanding + p.queued) + n - have) / rate(p)
 
     def decode_s(d: UpstreamState) -> float:
         lacks_blocks = -(-(n - cached(d)) // _block_size(d))
@@ -119,13 +108,7 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
     hashes = cached.of(first) if first is not None else []
     held = {s.url: cached.held(s) for s in caches}
     return Placement(decode, prefill, n, n - cached(first) if first is not None else n, is_local, holders, hashes,
-                     max(held.values(), default=0), held, {p.url: lacks(p) + REQUEST_TOKENS for p in prefill})
-
-
-def producer_queue_tokens(p: UpstreamState) -> int:
-    """Prompt tokens a producer has to compute before a new request's: those of the requests this
-    proxy has in flight there, and LOAD_TOKENS for each other request it reported waiting."""
-    return p.pending_tokens + LOAD_TOKENS * max(0, p.queued - p.outstanding)
+                     max(held.values(), default=0), held)
 
 
 def _ranked(rotated: list[UpstreamState], seconds, cached) -> list[UpstreamState]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 POLICIES = ("round-robin", "least-loaded", "kv-aware")
 LOAD_TOKENS = 256  # kv-aware: a request queued or running on an instance weighs as this many prompt tokens
-# when the proxy did not place it by its tokens (placement.py)
 
 
 def order(policy: str, states: list, turn: int) -> list:

@@ -31,8 +31,6 @@ class UpstreamState:
     upstream: Upstream
     healthy: bool = True  # until a probe or a request says otherwise
     outstanding: int = 0  # requests this proxy has in flight there
-    pending_tokens: int = 0  # producers: prompt tokens those requests compute there, as placed (each
-    # one whose work the placement did not predict weighs LOAD_TOKENS)
     queued: int = 0  # waiting requests the instance reported (queue + waiting for KV)
     waiting: int = 0  # ... of which waiting to be prefilled there
     prefilling: int = 0  # prompts this proxy sent there to prefill that have no first token yet
