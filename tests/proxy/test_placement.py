@@ -81,9 +81,31 @@ def test_cold_prompts_go_to_a_producer_and_spread_over_decode():
 
 def test_a_local_prefill_is_only_as_long_as_the_stall_budget():
     r = router("kv-aware", {"http://d1": 4})  # d1 holds 64 tokens: 256 left, 0.26 s at 1,000 tok/s
+    r.decode.states[1].outstanding = 1  # one stream there would stall that long
     assert not place(r, PROMPT, now=0.0).local
     r.decode.states[1].prefill_tokens_per_s = 4000.0  # measured fast enough: 64 ms
     assert place(r, PROMPT, now=60.0).local
+
+
+def test_a_decode_instance_running_no_stream_prefills_a_long_rest_itself():
+    """Nothing of d1's stalls however long the prefill: it takes the turn off the producers."""
+    r = router("kv-aware", {"http://d1": 4})  # 256 tokens left: 0.26 s, past the stall budget
+    plan = place(r, PROMPT, now=0.0)
+    assert plan.decode[0].url == "http://d1" and plan.local and plan.decode_uncached == 256
+
+
+def test_another_proxys_streams_on_a_decode_instance_stall_too():
+    r = router("kv-aware", {"http://d1": 4})
+    r.decode.states[1].others_running = 2  # its last report: two running that this proxy did not send
+    assert not place(r, PROMPT, now=0.0).local
+
+
+def test_a_local_prefill_under_way_keeps_the_next_long_one_off_that_instance():
+    r = router("kv-aware", {"http://d1": 4})
+    first = place(r, PROMPT, now=0.0)
+    assert first.local
+    first.decode[0].outstanding += 1  # the flow counts it while it runs (a minute on: another turn)
+    assert not place(r, PROMPT, now=60.0).local
 
 
 def test_least_loaded_ignores_caches():
@@ -193,6 +215,8 @@ def test_among_equals_a_history_stays_on_the_instances_that_hold_it():
     equal predicted times, but the instances holding the history go first, every time, rather than
     a copy of it moving to (and being kept on) the next instance in turn."""
     r = router("kv-aware", {"http://p1": 8, "http://d1": 8})
+    for d in r.decode.states:  # each runs a stream: d1 would stall it prefilling 192 tokens itself
+        d.outstanding = 1
     for i in range(4):
         plan = place(r, PROMPT, now=60.0 * i)
         assert (plan.prefill[0].url, plan.decode[0].url, plan.local) == ("http://p1", "http://d1", False)

@@ -3,6 +3,9 @@ outstanding requests plus the queue the instance reports), equals taking turns."
 
 from __future__ import annotations
 
+import asyncio
+
+from pdserve.health import Health, Load
 from pdserve.proxy.router import Pool
 
 
@@ -50,3 +53,19 @@ def test_members_change_at_run_time_and_known_ones_keep_their_state():
     assert p.set_members(["http://i1", "http://i9"], make) == [] and built == ["http://i9"]
     left = p.set_members([], make)
     assert [s.url for s in left] == ["http://i1", "http://i9"] and p.candidates() == []
+
+
+def test_a_probe_counts_the_streams_other_proxies_run_there():
+    class Reporting(FakeUpstream):
+        async def health(self):
+            return True, Health(load=Load(num_running=5))
+    p = Pool("decode", [Reporting("http://d0")])
+    d = p.states[0]
+    d.outstanding = 3  # this proxy's, all running
+    asyncio.run(p.probe())
+    assert d.others_running == 2 and d.streams() == 5
+    d.outstanding = 0  # this proxy's ended since: the others' stay counted until the next probe
+    assert d.streams() == 2
+    d.outstanding = 7  # more of this proxy's than the instance runs (some wait for their KV)
+    asyncio.run(p.probe())
+    assert d.others_running == 0 and d.streams() == 7

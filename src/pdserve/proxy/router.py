@@ -33,6 +33,8 @@ class UpstreamState:
     outstanding: int = 0  # requests this proxy has in flight there
     queued: int = 0  # waiting requests the instance reported (queue + waiting for KV)
     waiting: int = 0  # ... of which waiting to be prefilled there
+    others_running: int = 0  # requests it ran at the last probe beyond those this proxy had there
+    # then (other proxies' streams)
     prefilling: int = 0  # prompts this proxy sent there to prefill that have no first token yet
     unseen: dict = dataclasses.field(default_factory=dict)  # whole-answer prefills sent there since
     # the last probe began (key -> monotonic time): no first token is seen, the next report counts them
@@ -51,6 +53,11 @@ class UpstreamState:
 
     def score(self) -> tuple:
         return (not self.healthy, self.outstanding + self.queued, self.kv_usage)
+
+    def streams(self) -> int:
+        """Requests it is running or about to: this proxy's in flight there, and other proxies' as of
+        the last probe."""
+        return self.outstanding + self.others_running
 
     def prefill_queue(self) -> int:
         """Prompts waiting to be prefilled there: what this proxy sent with no first token back yet,
@@ -135,6 +142,7 @@ class Pool:
                 state.prefix_cache = report.prefix_cache
                 state.prefill_tokens_per_s = load.prefill_tokens_per_s
                 state.waiting = load.num_waiting
+                state.others_running = max(0, load.num_running - state.outstanding)
                 state.queued = load.num_waiting + load.num_waiting_for_remote_kv
                 state.kv_usage = load.kv_cache_usage
                 state.kv_holder = load.kv_holder
