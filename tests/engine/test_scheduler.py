@@ -242,6 +242,18 @@ def test_a_pull_that_read_some_blocks_computes_only_the_rest():
     assert chunk.start_pos == 2 * BLOCK_SIZE and chunk.token_ids == PROMPT[8:] + [1]
 
 
+def test_a_request_served_here_pulls_too_and_stays_served_here():
+    """A decode instance prefilling a prompt itself, named holders by a kv-aware proxy."""
+    s = _pull_scheduler()
+    r = Request("d", PROMPT + [1], SamplingParams(), (), 8, KVTransferParams(kv_holders=(HOLDER,)))
+    s.add(r)
+    (pull,) = s.schedule().remote_pulls
+    s.load_ended(r, TransferState.KV_LOADED, num_blocks=3)
+    assert r.transfer == TransferState.NONE and r.status == RequestStatus.RUNNING
+    (chunk,) = s.schedule().chunks
+    assert chunk.start_pos == 3 * BLOCK_SIZE and chunk.token_ids == PROMPT[12:] + [1]
+
+
 def test_a_failed_pull_computes_everything_and_is_not_tried_again():
     s = _pull_scheduler()
     r = _producer("p", PROMPT + [1])

@@ -83,3 +83,28 @@ def test_the_decision_header_says_local_when_decode_holds_the_history(pd):
         r = httpx.post(pd.proxy.url + "/v1/completions", timeout=60,
                        json={"prompt": ids(n, seed=922 + n), "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.headers["X-PD-Decision"] == "remote"
+
+
+def test_a_decode_instance_prefilling_a_prompt_itself_claims_what_another_caches(pd):
+    """What the proxy sends a local prefill under kv-aware routing (`kv_holders` of the instances
+    caching more of the prompt): decode READs the history another decode instance caches, computes
+    only the rest, and answers as transformers; nothing stays pinned on either."""
+    d0, d1 = pd.decode
+    first = ids(100, seed=930)
+    code, body = post_json(d0.url + "/v1/completions", {"prompt": first, "max_tokens": 16, "temperature": 0,
+                                                        "return_token_ids": True})
+    assert code == 200, body
+    second = first + body["choices"][0]["token_ids"] + ids(30, seed=931)
+    held = (len(first) + 16 - 1) // 16  # d0 computed all but its last answer token
+    holder = get_json(d0.url + "/health")["load"]["kv_holder"]
+    names = ("pdserve:kv_blocks_pulled_total", "pdserve:prompt_tokens_computed_total")
+    before = [metric(d1, n) for n in names]
+    code, body = post_json(d1.url + "/v1/completions", {
+        "prompt": second, "max_tokens": 16, "temperature": 0, "return_token_ids": True,
+        "kv_transfer_params": {"kv_holders": [holder]}})
+    assert code == 200, body
+    assert_greedy_match(body["choices"][0]["token_ids"], hf_reference(pd.model, second, 16), "decode pulled")
+    assert [metric(d1, n) - b for n, b in zip(names, before)] == [held, len(second) - 16 * held]
+    for inst in (d0, d1):
+        s = wait_idle(inst)
+        assert s["num_free_blocks"] == s["num_blocks"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+from pdserve.health import PrefixCacheInfo
 from pdserve.proxy.decision import DisaggPolicy
 from pdserve.proxy.flow import PDFlow
 from pdserve.proxy.metrics import ProxyMetrics
@@ -168,3 +169,26 @@ def test_a_prompt_the_producer_counts_otherwise_is_counted_and_said_once(tiny_mo
         assert mismatches() == 2
     asyncio.run(asyncio.wait_for(main(), 10))
     assert caplog.text.count("the producer counted 43") == 1
+
+
+def test_a_local_prefill_claims_what_another_instance_caches():
+    """kv-aware: the idle decode instance holding the start of a conversation prefills the rest
+    itself, and claims the history the producer caches rather than computing it (the proxy names
+    the producer to it as a holder, never decode itself)."""
+    async def main():
+        prefill, d0, d1 = FakeInstance("http://p"), FakeInstance("http://d0"), FakeInstance("http://d1")
+        for d in (d0, d1):
+            d.gate.set()
+            d.done.set()
+        router = Router([prefill], [d0, d1], policy="kv-aware",
+                        index=HeldIndex({"http://p": 15, "http://d1": 2}))  # of 20 blocks
+        for s in router.prefill.states + router.decode.states:
+            s.prefix_cache = PrefixCacheInfo(model_key="m", block_size=16)
+            s.kv_holder = {"engine_id": s.url}
+        flow = PDFlow(router, ProxyMetrics(), protocol="pdserve", prompts=Ids())
+        body = {"prompt": list(range(1000, 1320)), "max_tokens": 8, "stream": True}
+        response = await flow.handle(json.dumps(body).encode(), "/v1/completions", "r", _never_gone)
+        await _drain(response.body_iterator)
+        assert response.headers["X-PD-Decision"] == "local" and not prefill.bodies and not d0.bodies
+        assert d1.bodies[-1]["kv_transfer_params"] == {"kv_holders": [{"engine_id": "http://p"}]}
+    asyncio.run(asyncio.wait_for(main(), 10))

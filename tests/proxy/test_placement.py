@@ -94,6 +94,15 @@ def test_a_decode_instance_running_no_stream_prefills_a_long_rest_itself():
     assert plan.decode[0].url == "http://d1" and plan.local and plan.decode_uncached == 256
 
 
+def test_a_local_prefill_counts_what_decode_can_claim_from_another_instance():
+    r = router("kv-aware", {"http://p0": 15, "http://d1": 2})  # d1 holds 32 tokens, p0 240
+    for d in r.decode.states:  # a stream on each: on d1, 80 tokens to compute stall it 80 ms, 288 would 288
+        d.outstanding = 1
+    plan = place(r, PROMPT)
+    assert plan.local and plan.decode[0].url == "http://d1"
+    assert [s.url for s in plan.holders] == ["http://p0"]  # d1 claims p0's 240 tokens, never its own
+
+
 def test_another_proxys_streams_on_a_decode_instance_stall_too():
     r = router("kv-aware", {"http://d1": 4})
     r.decode.states[1].others_running = 2  # its last report: two running that this proxy did not send
@@ -150,6 +159,7 @@ def test_a_producer_pulls_what_another_producer_caches_so_the_idle_one_is_chosen
 
 def test_the_chosen_producer_is_not_named_a_holder_to_itself():
     r = router("kv-aware", {"http://p0": 15, "http://d1": 10})
+    r.decode.states[1].prefilling = 1  # d1 has a prompt of its own to prefill: this one goes to a producer
     for _ in range(2):  # equal producers take turns: each is chosen once
         plan = place(r, PROMPT)
         best = ["http://d1"] if plan.prefill[0].url == "http://p0" else ["http://p0", "http://d1"]

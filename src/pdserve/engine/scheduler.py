@@ -276,10 +276,11 @@ class Scheduler:
                     and self.config.kv_pull_min_tokens > 0)
 
     def _admit_pull(self, request: Request, remote_pulls: list[RemotePull]) -> bool | None:
-        """A producer request whose proxy named holders (instances that may cache a later turn's
-        prompt): when the prompt's full blocks this instance lacks are worth it, allocate them and
-        let the connector READ them from a holder instead of computing them (at least one token is
-        left to compute, for the first token). None: not worth it, admit as usual."""
+        """A request whose proxy named holders (instances that may cache a later turn's prompt): a
+        producer's, or one a decode instance prefills itself under kv-aware routing. When the
+        prompt's full blocks this instance lacks are worth it, allocate them and let the connector
+        READ them from a holder instead of computing them (at least one token is left to compute,
+        for the first token). None: not worth it, admit as usual."""
         hits = self.pool.match_prefix(request)
         bs = self.pool.block_size
         num_full = (request.num_tokens - 1) // bs
@@ -303,10 +304,11 @@ class Scheduler:
 
     def load_ended(self, request: Request, state: TransferState, num_blocks: int = 0) -> None:
         """A remote load ended in KV_LOADED or RECOMPUTING (FAILED and ABORTED end the request). A
-        consumer runs from its first generated token, or prefills its prompt here; a producer's pull
-        goes on computing after the `num_blocks` it read, or computes them all."""
+        consumer runs from its first generated token, or prefills its prompt here; a pull (by a
+        producer, or by a request served here from start to end) goes on computing after the
+        `num_blocks` it read, or computes them all."""
         assert state in (TransferState.KV_LOADED, TransferState.RECOMPUTING), state
-        pull = request.transfer == TransferState.PRODUCING  # it stays a producer either way
+        pull = request.transfer in (TransferState.PRODUCING, TransferState.NONE)  # it stays what it was
         if not pull:
             request.move_transfer_to(state)
         if state == TransferState.RECOMPUTING:

@@ -1,9 +1,10 @@
 """Pulling a prompt's blocks from an instance that caches them (a decode instance that served the
-conversation's earlier turns), for a producer that would otherwise compute them.
+conversation's earlier turns), for a producer that would otherwise compute them, or for a decode
+instance prefilling the prompt itself.
 
-Engine process of a prefill instance (engine thread; claim replies come back on the side channel's
+Engine process of the instance prefilling (engine thread; claim replies come back on the side channel's
 thread as `ClaimReplied` events). The proxy names the holders it knows, each signed by itself
-(`kv_holders`); the scheduler admits a producer request whose uncached full blocks are worth pulling
+(`kv_holders`); the scheduler admits a request whose uncached full blocks are worth pulling
 (`RemotePull`), and the puller asks its holders in turn with a `Claim` of those blocks' content
 hashes. The first holder that leases some of them turns the pull into an ordinary `Load` of those
 blocks (handshake, the heartbeat that binds the lease, READ, notifications). A pull that gets

@@ -148,8 +148,11 @@ class PDFlow:
                          "decision": decision, "decode": plan.decode[0].url if plan.decode else None,
                          "prefill": plan.prefill[0].url if plan.prefill and decision != LOCAL else None,
                          "spare_copy": spare, "held": plan.held})
+        holders = [s.kv_holder for s in plan.holders if s.kv_holder][:MAX_HOLDERS] if protocol == "pdserve" else []
         if decision == LOCAL:  # decode prefills it itself
             self.metrics.requests.labels("decode_only").inc()
+            if holders and plan.cached_anywhere is not None:  # kv-aware: it claims what others cache, as a producer
+                body = {**body, "kv_transfer_params": {"kv_holders": holders}}
             return await self.legs.answer(self.router.decode, path, body, headers, start, prefills=True,
                                           rank=plan.decode)
 
@@ -157,8 +160,7 @@ class PDFlow:
         p_body["stream"] = False
         p_body["n"] = 1  # one prefill: decode forks the other samples from its KV
         p_body["kv_transfer_params"] = PREFILL_PARAMS
-        holders = [s.kv_holder for s in plan.holders if s.kv_holder][:MAX_HOLDERS]
-        if protocol == "pdserve" and holders:
+        if holders:
             # instances that may cache this prompt (a history, a shared system prompt): the producer claims it there
             p_body["kv_transfer_params"] = {**PREFILL_PARAMS, "kv_holders": holders}
         if spare == PREFILL:  # decode keeps the prompt's KV; the producer's copy is reused first

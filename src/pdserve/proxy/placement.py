@@ -12,7 +12,7 @@ as instances of a deployment are alike but for noise, and DEFAULT_TOKENS_PER_S b
 A producer lacks what neither its own cache nor another instance it can pull from holds
 (kv_transfer/pull.py: worth it from PULL_MIN_TOKENS on): producers claim from each other as from
 decode, so the one with the best cache draws no more requests than the others. Prefilling on D instead ("local") costs
-(D's queue + tokens D lacks) / D's rate, and is allowed only when D holds part of the prompt and the
+(D's queue + tokens D lacks) / D's rate, where D too claims what another instance holds, and is allowed only when D holds part of the prompt and the
 prefill stalls D's running streams for at most STALL_BUDGET_S, however long it is when D runs none
 (an idle decode instance is a free prefill instance: under load it takes a conversation's next turn
 off the producers' queues, and no stream's inter-token latency pays for it). Every queued request weighs as
@@ -50,9 +50,9 @@ class Placement:
     num_tokens: int | None = None  # the prompt's, when the proxy could tokenize it
     decode_uncached: int | None = None  # of which the first decode candidate lacks (kv-aware)
     local: bool = False  # kv-aware: prefilling on that decode instance is predicted fastest
-    holders: list[UpstreamState] = dataclasses.field(default_factory=list)  # healthy instances a producer
-    # may claim the prompt's blocks from: any caching some, best first, but the chosen producer (kv-aware);
-    # else decode instances, least loaded first
+    holders: list[UpstreamState] = dataclasses.field(default_factory=list)  # healthy instances the instance
+    # prefilling may claim the prompt's blocks from: any caching some, best first, but the chosen producer,
+    # or the decode instance when local (kv-aware); else decode instances, least loaded first
     block_hashes: list[int] = dataclasses.field(default_factory=list)  # kv-aware: the prompt's full
     # blocks as the first decode candidate hashes them (what copies.py remembers a conversation by)
     cached_anywhere: int | None = None  # kv-aware: the most prompt tokens any one instance holds (index)
@@ -81,10 +81,12 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
     def pullable(p: UpstreamState) -> int:  # the most another instance caches: p may claim it there
         return max((cached.held(s) for s in caches if s is not p), default=0)
 
+    def have(s: UpstreamState) -> int:  # what s need not compute: its own, or what it may claim elsewhere
+        own, other = cached(s), pullable(s)
+        return other if other - own >= PULL_MIN_TOKENS else own
+
     def producer_s(p: UpstreamState) -> float:
-        own, other = cached(p), pullable(p)
-        have = other if other - own >= PULL_MIN_TOKENS else own
-        return (LOAD_TOKENS * (p.outstanding + p.queued) + n - have) / rate(p)
+        return (LOAD_TOKENS * (p.outstanding + p.queued) + n - have(p)) / rate(p)
 
     def decode_s(d: UpstreamState) -> float:
         lacks_blocks = -(-(n - cached(d)) // _block_size(d))
@@ -96,16 +98,15 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
         + (decode_s(remote[0]) if remote else 0)
 
     def local_s(d: UpstreamState) -> float:
-        return (_queue_tokens(d) + n - cached(d)) / rate(d)
+        return (_queue_tokens(d) + n - have(d)) / rate(d)
     local = [d for d in remote if d.healthy and 0 < cached(d)
-             and (d.streams() == 0 or (n - cached(d)) / rate(d) <= STALL_BUDGET_S)]
+             and (d.streams() == 0 or (n - have(d)) / rate(d) <= STALL_BUDGET_S)]
     nearest = min(local, key=local_s, default=None)
     is_local = nearest is not None and local_s(nearest) <= remote_s
     first = nearest if is_local else (remote[0] if remote else None)
     decode = [first] + [d for d in remote if d is not first] if first is not None else remote
-    holders = sorted((s for s in caches if cached.held(s) and (not prefill or s is not prefill[0])),
-                     key=lambda s: -cached.held(s))
     computer = first if is_local else (prefill[0] if prefill else None)
+    holders = sorted((s for s in caches if cached.held(s) and s is not computer), key=lambda s: -cached.held(s))
     if computer is not None:  # siblings that follow soon find the prompt there (before the index does)
         cached.computing(computer, now + COMPUTING_S + (local_s(computer) if is_local else producer_s(computer)))
     hashes = cached.of(first) if first is not None else []
