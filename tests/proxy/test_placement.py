@@ -87,10 +87,14 @@ def test_a_local_prefill_is_only_as_long_as_the_stall_budget():
     assert place(r, PROMPT, now=60.0).local
 
 
-def test_a_decode_instance_running_no_stream_prefills_a_long_rest_itself():
+def test_a_decode_instance_running_no_stream_prefills_a_long_rest_itself_while_producers_are_busy():
     """Nothing of d1's stalls however long the prefill: it takes the turn off the producers."""
     r = router("kv-aware", {"http://d1": 4})  # 256 tokens left: 0.26 s, past the stall budget
-    plan = place(r, PROMPT, now=0.0)
+    assert not place(r, PROMPT, now=0.0).local  # an idle producer: the turn stays with producers
+    r.prefill.states[0].outstanding = 1
+    assert not place(r, PROMPT, now=60.0).local  # one of them still idle
+    r.prefill.states[1].queued = 2
+    plan = place(r, PROMPT, now=120.0)
     assert plan.decode[0].url == "http://d1" and plan.local and plan.decode_uncached == 256
 
 
@@ -105,12 +109,16 @@ def test_a_local_prefill_counts_what_decode_can_claim_from_another_instance():
 
 def test_another_proxys_streams_on_a_decode_instance_stall_too():
     r = router("kv-aware", {"http://d1": 4})
+    for p in r.prefill.states:
+        p.outstanding = 1
     r.decode.states[1].others_running = 2  # its last report: two running that this proxy did not send
     assert not place(r, PROMPT, now=0.0).local
 
 
 def test_a_local_prefill_under_way_keeps_the_next_long_one_off_that_instance():
     r = router("kv-aware", {"http://d1": 4})
+    for p in r.prefill.states:
+        p.outstanding = 1
     first = place(r, PROMPT, now=0.0)
     assert first.local
     first.decode[0].outstanding += 1  # the flow counts it while it runs (a minute on: another turn)

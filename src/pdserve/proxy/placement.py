@@ -13,9 +13,10 @@ A producer lacks what neither its own cache nor another instance it can pull fro
 (kv_transfer/pull.py: worth it from PULL_MIN_TOKENS on): producers claim from each other as from
 decode, so the one with the best cache draws no more requests than the others. Prefilling on D instead ("local") costs
 (D's queue + tokens D lacks) / D's rate, where D too claims what another instance holds, and is allowed only when D holds part of the prompt and the
-prefill stalls D's running streams for at most STALL_BUDGET_S, however long it is when D runs none
-(an idle decode instance is a free prefill instance: under load it takes a conversation's next turn
-off the producers' queues, and no stream's inter-token latency pays for it). Every queued request weighs as
+prefill stalls D's running streams for at most STALL_BUDGET_S, or, while every producer has work, D
+runs none (an idle decode instance is then a spare producer: it takes a conversation's next turn off
+the producers' queues, and no stream's inter-token latency pays for it; while a producer is idle,
+turns stay with producers, whose caches then keep half the histories, copies.py). Every queued request weighs as
 LOAD_TOKENS prompt tokens and every stream a decode instance runs as STREAM_TOKENS, so the best
 cache does not draw every request (no pile-up). Other
 policies ignore caches and times (policy.py).
@@ -99,8 +100,9 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
 
     def local_s(d: UpstreamState) -> float:
         return (_queue_tokens(d) + n - have(d)) / rate(d)
+    producers_busy = all(p.outstanding + p.queued > 0 for p in router.prefill.states if p.healthy)
     local = [d for d in remote if d.healthy and 0 < cached(d)
-             and (d.streams() == 0 or (n - have(d)) / rate(d) <= STALL_BUDGET_S)]
+             and ((n - have(d)) / rate(d) <= STALL_BUDGET_S or producers_busy and d.streams() == 0)]
     nearest = min(local, key=local_s, default=None)
     is_local = nearest is not None and local_s(nearest) <= remote_s
     first = nearest if is_local else (remote[0] if remote else None)
