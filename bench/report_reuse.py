@@ -67,13 +67,15 @@ def routing(r: dict) -> list[str]:
              "producers never claim blocks elsewhere, each instance reuses only its own cache, as behind a "
              "cache-blind router):", "",
              "| policy | prefix hit rate (one LRU cache of all blocks) | busiest ÷ mean prompt tokens computed, "
-             "prefill / decode | P/D decisions local / remote | TTFT p50 / p90 ms |", "|---|---|---|---|---|"]
+             "prefill / decode | P/D decisions local / remote | TTFT p50 / p90 ms | ITL p99 ms |",
+             "|---|---|---|---|---|---|"]
     for x in r["results"]:
         b, d = x["busiest_over_mean"], x.get("decisions", {})
         lines.append(f"| {x['policy']} | {x['prefix_hit_rate']:.1%} ({x['lru_bound_hit_rate']:.1%}) | "
                      f"{b['prefill']} / {b['decode'] if b['decode'] is not None else '-'} | "
                      f"{d.get('local', 0):.0f} / {d.get('remote', 0):.0f} | "
-                     f"{x['ttft_p50_ms']:.0f} / {x['ttft_p90_ms']:.0f} |")
+                     f"{x['ttft_p50_ms']:.0f} / {x['ttft_p90_ms']:.0f} | "
+                     + ("n/a" if x.get("itl_p99_ms") is None else f"{x['itl_p99_ms']:.0f}") + " |")
     s = r["summary"]
     p90 = ", ".join(f"{k} {v}×" for k, v in s.get("ttft_p90_over_kv_aware", {}).items())
     by = {x["policy"]: x for x in r["results"]}
@@ -121,18 +123,23 @@ def routing_load(r: dict, rerun: dict | None = None) -> list[str]:
     policies = r["policies"]
     others = [p for p in policies if p != "kv-aware"]
     lines = ["**Routing as the load rises** (`bench/routing_load.py`: the same trace and 4P4D mock instances, "
-             "every engine 1/speedup as fast; one run per point). Hit rate, TTFT p50 / p90 ms:", "",
+             "every engine 1/speedup as fast; one run per point). Hit rate, TTFT p50 / p90 ms; ITL p99 ms per "
+             "policy; kv-aware's decisions (local: a decode instance prefilled the turn itself):", "",
              "| speedup | " + " | ".join(policies) + " | " + " | ".join(f"{p} ÷ kv-aware, p50 / p90" for p in others)
-             + " |", "|---" * (1 + len(policies) + len(others)) + "|"]
+             + " | ITL p99 | kv-aware local / remote |", "|---" * (3 + len(policies) + len(others)) + "|"]
     for point in r["points"]:
-        cells = [f"{x['prefix_hit_rate']:.1%}, {x['ttft_p50_ms']:.0f} / {x['ttft_p90_ms']:.0f}"
-                 for x in (point["results"][p] for p in policies)]
+        results = [point["results"][p] for p in policies]
+        cells = [f"{x['prefix_hit_rate']:.1%}, {x['ttft_p50_ms']:.0f} / {x['ttft_p90_ms']:.0f}" for x in results]
         ratios = [f"{point['ttft_p50_over_kv_aware'][p]}× / {point['ttft_p90_over_kv_aware'][p]}×" for p in others]
-        lines.append(f"| {point['speedup']:g} | " + " | ".join(cells + ratios) + " |")
+        itl = " / ".join("n/a" if x.get("itl_p99_ms") is None else f"{x['itl_p99_ms']:.0f}" for x in results)
+        decided = point["results"]["kv-aware"].get("decisions") or {}
+        cells += ratios + [itl, f"{decided.get('local', 0):.0f} / {decided.get('remote', 0):.0f}" if decided else "n/a"]
+        lines.append(f"| {point['speedup']:g} | " + " | ".join(cells) + " |")
     met = [f"{point['speedup']:g}" for point in r["points"]
            if all(v >= 2 for v in point["ttft_p90_over_kv_aware"].values())]
     lines += ["", f"Least-loaded's TTFT p90 at least 2× kv-aware's (the target) at speedup {', '.join(met) if met else 'none'}: "
-              "where the queues grow, the ~1.2× prompt tokens least-loaded computes compound; with little "
+              "where the queues grow, the ~1.1-1.2× prompt tokens least-loaded computes compound, and kv-aware's "
+              "decode instances that run no stream prefill turns off the busy producers' queues; with little "
               "queueing TTFT follows the tokens on the critical path. One point moves by up to ~20 % between "
               "runs here" + (": run again (bench/results/routing_load_rerun.json), least-loaded's TTFT p90 over "
                              "kv-aware's was " + ", ".join(

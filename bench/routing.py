@@ -135,6 +135,7 @@ def run_policy(model: str, policy: str, trace: Path, args, work: Path) -> dict:
          "--trace-time-scale", str(args.time_scale), "--lru-bound-blocks", str(args.num_blocks * 8)], work,
         "--kv-copies both" if variant == "both-copies" else "")
     return {"policy": policy, "ttft_p50_ms": bench.get("median_ttft_ms"), "ttft_p90_ms": bench.get("p90_ttft_ms"),
+            "itl_p99_ms": bench.get("p99_itl_ms"), "e2el_p90_ms": bench.get("p90_e2el_ms"),
             "completed": bench.get("completed"), "failed": bench.get("failed"),
             "prefix_hit_rate": bench.get("prefill_hit_rate"), "lru_bound_hit_rate": bench.get("lru_bound_hit_rate"),
             "unbounded_cache_hit_rate": bench.get("unbounded_cache_hit_rate"),

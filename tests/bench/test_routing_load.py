@@ -12,13 +12,14 @@ import report_reuse  # noqa: E402
 from routing_load import plot  # noqa: E402
 
 
-def _result(hit: float, p50: float, p90: float) -> dict:
-    return {"prefix_hit_rate": hit, "ttft_p50_ms": p50, "ttft_p90_ms": p90}
+def _result(hit: float, p50: float, p90: float, **more) -> dict:
+    return {"prefix_hit_rate": hit, "ttft_p50_ms": p50, "ttft_p90_ms": p90, **more}
 
 
 SWEEP = {"rows": 800, "time_scale": 1.0, "num_blocks_per_instance": 384, "policies": ["kv-aware", "least-loaded"],
-         "points": [{"speedup": s, "results": {"kv-aware": _result(0.62, 100 / s, 300 / s),
-                                               "least-loaded": _result(0.54, 150 / s, 600 / s)},
+         "points": [{"speedup": s, "results": {"kv-aware": _result(0.62, 100 / s, 300 / s, itl_p99_ms=110.4,
+                                                                   decisions={"local": 90.0, "remote": 710.0}),
+                                               "least-loaded": _result(0.54, 150 / s, 600 / s, itl_p99_ms=120.0)},
                      "ttft_p50_over_kv_aware": {"least-loaded": 1.5}, "ttft_p90_over_kv_aware": {"least-loaded": 2.0}}
                     for s in (0.5, 0.25)]}
 
@@ -27,8 +28,10 @@ def test_the_table_has_a_row_per_load_with_the_ratios():
     lines = report_reuse.routing_load(SWEEP)
     rows = [line for line in lines if line.startswith("| 0.")]
     assert any(line.startswith("Least-loaded's TTFT p90 at least 2× kv-aware's (the target) at speedup 0.5, 0.25:") for line in lines)
-    assert rows == ["| 0.5 | 62.0%, 200 / 600 | 54.0%, 300 / 1200 | 1.5× / 2.0× |",
-                    "| 0.25 | 62.0%, 400 / 1200 | 54.0%, 600 / 2400 | 1.5× / 2.0× |"]
+    assert rows == ["| 0.5 | 62.0%, 200 / 600 | 54.0%, 300 / 1200 | 1.5× / 2.0× | 110 / 120 | 90 / 710 |",
+                    "| 0.25 | 62.0%, 400 / 1200 | 54.0%, 600 / 2400 | 1.5× / 2.0× | 110 / 120 | 90 / 710 |"]
+    header = [line for line in lines if line.startswith("| speedup")][0]
+    assert header.count("|") == [line for line in lines if line.startswith("|---")][0].count("|")
 
 
 def test_the_plot_is_written(tmp_path):
