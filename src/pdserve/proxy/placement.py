@@ -11,15 +11,15 @@ as instances of a deployment are alike but for noise, and DEFAULT_TOKENS_PER_S b
 
 A producer lacks what neither its own cache nor another instance it can pull from holds
 (kv_transfer/pull.py: worth it from PULL_MIN_TOKENS on): producers claim from each other as from
-decode, so the one with the best cache draws no more requests than the others. Prefilling on D instead ("local") costs
-(D's queue + tokens D lacks) / D's rate, where D too claims what another instance holds, and is allowed only when D holds part of the prompt and the
-prefill stalls D's running streams for at most STALL_BUDGET_S, or, while every producer has work, D
-runs none (an idle decode instance is then a spare producer: it takes a conversation's next turn off
-the producers' queues, and no stream's inter-token latency pays for it; while a producer is idle,
-turns stay with producers, whose caches then keep half the histories, copies.py). Every queued request weighs as
-LOAD_TOKENS prompt tokens and every stream a decode instance runs as STREAM_TOKENS, so the best
-cache does not draw every request (no pile-up). Other
-policies ignore caches and times (policy.py).
+decode, so the one with the best cache draws no more requests than the others. Prefilling on D
+instead ("local") costs (D's queue + tokens D lacks) / D's rate, where D too claims what another
+instance holds. It is allowed only when D holds part of the prompt and the prefill stalls D's
+running streams for at most STALL_BUDGET_S, or, while every producer has work, D runs none: an idle
+decode instance is then a spare producer, taking a conversation's next turn off the producers'
+queues with no stream's inter-token latency paying for it. (While a producer is idle, turns stay
+with producers, whose caches then keep half the histories: copies.py.) Every queued request weighs
+as LOAD_TOKENS prompt tokens and every stream a decode instance runs as STREAM_TOKENS, so the best
+cache does not draw every request (no pile-up). Other policies ignore caches and times (policy.py).
 """
 
 from __future__ import annotations
