@@ -145,6 +145,11 @@ def routing_load(r: dict, rerun: dict | None = None) -> list[str]:
                              "kv-aware's was " + ", ".join(
                                  f"{v}× at speedup {point['speedup']:g}" for point in rerun["points"]
                                  for v in point["ttft_p90_over_kv_aware"].values()) if rerun else "") + "."]
+    bound = [(point["speedup"], point["results"]["kv-aware"]) for point in r["points"]]
+    if all(x.get("lru_bound_hit_rate") for _, x in bound):  # under load in-flight requests hold blocks too
+        lines += ["", "kv-aware's hit rate over the LRU bound (target ≥ 0.9): " + ", ".join(
+            f"{x['prefix_hit_rate'] / x['lru_bound_hit_rate']:.3f} at speedup {s:g}" for s, x in bound)
+            + ": the blocks queued, leased and running requests hold are room one LRU cache does not lose."]
     return lines + ["", "![TTFT as the load rises](bench/results/routing_load.png)"]
 
 

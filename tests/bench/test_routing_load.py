@@ -34,6 +34,14 @@ def test_the_table_has_a_row_per_load_with_the_ratios():
     assert header.count("|") == [line for line in lines if line.startswith("|---")][0].count("|")
 
 
+def test_the_hit_rate_over_the_lru_bound_is_said_per_load():
+    sweep = {**SWEEP, "points": [{**point, "results": {**point["results"], "kv-aware": {
+        **point["results"]["kv-aware"], "lru_bound_hit_rate": 0.68}}} for point in SWEEP["points"]]}
+    (said,) = [line for line in report_reuse.routing_load(sweep) if line.startswith("kv-aware's hit rate")]
+    assert "0.912 at speedup 0.5, 0.912 at speedup 0.25" in said
+    assert not [line for line in report_reuse.routing_load(SWEEP) if line.startswith("kv-aware's hit rate")]
+
+
 def test_the_plot_is_written(tmp_path):
     plot(SWEEP, tmp_path / "load.png")
     assert (tmp_path / "load.png").stat().st_size > 1000
