@@ -94,8 +94,9 @@ def test_a_decode_instance_prefilling_a_prompt_itself_claims_what_another_caches
     code, body = post_json(d0.url + "/v1/completions", {"prompt": first, "max_tokens": 16, "temperature": 0,
                                                         "return_token_ids": True})
     assert code == 200, body
-    second = first + body["choices"][0]["token_ids"] + ids(30, seed=931)
-    held = (len(first) + 16 - 1) // 16  # d0 computed all but its last answer token
+    answer = body["choices"][0]["token_ids"]
+    second = first + answer + ids(30, seed=931)
+    held = (len(first) + len(answer) - 1) // 16  # d0 computed all but its last answer token
     holder = get_json(d0.url + "/health")["load"]["kv_holder"]
     names = ("pdserve:kv_blocks_pulled_total", "pdserve:prompt_tokens_computed_total")
     before = [metric(d1, n) for n in names]
