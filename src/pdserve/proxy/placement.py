@@ -100,7 +100,7 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
 
     def local_s(d: UpstreamState) -> float:
         return (_queue_tokens(d) + n - have(d)) / rate(d)
-    producers_busy = all(p.outstanding + p.queued > 0 for p in router.prefill.states if p.healthy)
+    producers_busy = router.prefill.least_queued() > 0  # every healthy producer has a request in flight or queued
     local = [d for d in remote if d.healthy and 0 < cached(d)
              and ((n - have(d)) / rate(d) <= STALL_BUDGET_S or producers_busy and d.streams() == 0)]
     nearest = min(local, key=local_s, default=None)
