@@ -157,11 +157,12 @@ def routing_multiturn(r: dict) -> list[str]:
     lines = [f"**Multi-turn routing on real instances** (`bench/routing_multiturn.py`, 1P2D `small`, "
              f"{r['sessions']} sessions of {r['turns']} turns: {r['system']}-token system prompt, {r['user']}-token "
              f"turns, {r['answer']}-token answers, 1 s think time):", "",
-             "| sessions/s | policy | TTFT p50 / p90 ms | history from cache | decisions local / remote |",
-             "|---|---|---|---|---|"]
+             "| sessions/s | policy | TTFT p50 / p90 ms | ITL p99 ms | history from cache | decisions local / remote |",
+             "|---|---|---|---|---|---|"]
     for x in r["results"]:
         d = x["decisions"]
-        lines.append(f"| {x['rate']:g} | {x['policy']} | {x['ttft_p50_ms']:.0f} / {x['ttft_p90_ms']:.0f} | "
+        itl = f"{x['itl_p99_ms']:.0f}" if "itl_p99_ms" in x else "-"
+        lines.append(f"| {x['rate']:g} | {x['policy']} | {x['ttft_p50_ms']:.0f} / {x['ttft_p90_ms']:.0f} | {itl} | "
                      f"{x['history_from_cache']:.1%} | {d.get('local', 0):.0f} / {d.get('remote', 0):.0f} |")
     lines += ["", "Targets: history from cache ≥ 95 % from the second turn; least-loaded's TTFT p50 ≥ 2× kv-aware's. "
               + "; ".join(f"{rate} sessions/s: {v['ttft_p50_least_loaded_over_kv_aware']}×"

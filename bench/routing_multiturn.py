@@ -59,7 +59,8 @@ def main() -> None:
                  "--multi-turn-answer-len", str(ANSWER), "--multi-turn-think-time-s", "1", "--seed", "0"], work)
             row = {"rate": float(rate), "policy": policy, "completed": bench.get("completed"),
                    "failed": bench.get("failed"), "ttft_p50_ms": round(bench["median_ttft_ms"], 1),
-                   "ttft_p90_ms": round(bench["p90_ttft_ms"], 1),
+                   "ttft_p90_ms": round(bench["p90_ttft_ms"], 1), "itl_p99_ms": round(bench["p99_itl_ms"], 1),
+                   "tpot_p50_ms": round(bench["median_tpot_ms"], 1),
                    "history_from_cache": history_from_cache(bench, args.sessions, args.turns),
                    "decisions": bench["decisions"], "computed": bench["computed"],
                    "busy_cores_before": bench["busy_cores_before"]}

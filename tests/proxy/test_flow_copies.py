@@ -56,7 +56,8 @@ def test_both_copies_are_kept_alike_when_asked():
 
 def test_the_placement_log_says_where_each_request_went():
     """`--placement-log`: per request, the first-choice producer and decode instance, the decision,
-    the spare copy and what each instance held, as the proxy saw them when it placed it."""
+    the spare copy, what each instance held, the predicted times and the rates used, as the proxy saw
+    them when it placed it."""
     records = []
 
     async def main():
@@ -77,6 +78,9 @@ def test_the_placement_log_says_where_each_request_went():
     assert r["prefill"] == "http://p" and r["decode"] == "http://d"
     assert r["spare_copy"] == ("prefill" if producer_spare else "decode")
     assert r["held"] == {"http://p": 16, "http://d": 0}  # tokens: the producer caches the first block
+    # what the decision was made from: no instance measured yet, so the default rate everywhere
+    assert r["rates"] == {"http://p": 1000, "http://d": 1000} and r["remote_s"] > 0
+    assert r["local_s"] is None and r["stall_s"] == {"http://d": 0.04}  # d holds nothing: 40 tokens (p's 16 too few to pull)
 
 
 def test_the_placement_log_file_gets_a_whole_json_line_per_placement(tmp_path):

@@ -98,6 +98,29 @@ def test_a_decode_instance_running_no_stream_prefills_a_long_rest_itself_while_p
     assert plan.decode[0].url == "http://d1" and plan.local and plan.decode_uncached == 256
 
 
+def test_a_stall_past_the_budget_is_taken_when_the_producers_queue_costs_the_turn_more_than_the_streams_lose():
+    """d1 lacks 176 tokens: 0.176 s that its two streams would each wait, 0.35 s in all."""
+    r = router("kv-aware", {"http://d1": 9})
+    r.decode.states[1].outstanding = 2
+    r.prefill.states[0].outstanding = 1
+    assert not place(r, PROMPT, now=0.0).local  # p1 idle: the turn waits for nothing there
+    r.prefill.states[1].outstanding = 1
+    assert not place(r, PROMPT, now=60.0).local  # a request ahead of it: 0.2 s saved, under 0.35 s lost
+    for p in r.prefill.states:
+        p.queued = 3  # four ahead: the turn would wait a second for a producer
+    plan = place(r, PROMPT, now=120.0)
+    assert plan.local and plan.decode[0].url == "http://d1" and plan.decode_uncached == 176
+
+
+def test_no_stall_past_the_most_a_stream_may_wait_however_long_the_producers_queue():
+    r = router("kv-aware", {"http://d1": 4})  # 256 tokens left: 0.256 s for d1's stream
+    r.decode.states[1].outstanding = 1
+    for p in r.prefill.states:
+        p.queued = 20
+    plan = place(r, PROMPT)
+    assert not plan.local and plan.predicted["remote_s"] > 5
+
+
 def test_a_local_prefill_counts_what_decode_can_claim_from_another_instance():
     r = router("kv-aware", {"http://p0": 15, "http://d1": 2})  # d1 holds 32 tokens, p0 240
     for d in r.decode.states:  # a stream on each: on d1, 80 tokens to compute stall it 80 ms, 288 would 288

@@ -147,7 +147,7 @@ class PDFlow:
             self.record({"time": round(time.time(), 4), "request_id": request_id, "prompt_tokens": plan.num_tokens,
                          "decision": decision, "decode": plan.decode[0].url if plan.decode else None,
                          "prefill": plan.prefill[0].url if plan.prefill and decision != LOCAL else None,
-                         "spare_copy": spare, "held": plan.held})
+                         "spare_copy": spare, "held": plan.held, **plan.predicted})
         holders = [s.kv_holder for s in plan.holders if s.kv_holder][:MAX_HOLDERS] if protocol == "pdserve" else []
         if decision == LOCAL:  # decode prefills it itself
             self.metrics.requests.labels("decode_only").inc()

@@ -16,8 +16,10 @@ instead ("local") costs (D's queue + tokens D lacks) / D's rate, where D too cla
 instance holds. It is allowed only when D holds part of the prompt and the prefill stalls D's
 running streams for at most STALL_BUDGET_S, or, while every producer has work, D runs none: an idle
 decode instance is then a spare producer, taking a conversation's next turn off the producers'
-queues with no stream's inter-token latency paying for it. (While a producer is idle, turns stay
-with producers, whose caches then keep half the histories: copies.py.) Every queued request weighs
+queues with no stream's inter-token latency paying for it. While every producer has work, D's
+streams may also be stalled up to STALL_MAX_S when going local saves the request more time than
+they lose together (the stall times the streams). (While a producer is idle, turns stay with
+producers, whose caches then keep half the histories: copies.py.) Every queued request weighs
 as LOAD_TOKENS prompt tokens and every stream a decode instance runs as STREAM_TOKENS, so the best
 cache does not draw every request (no pile-up). Other policies ignore caches and times (policy.py).
 """
@@ -37,6 +39,7 @@ DEFAULT_TOKENS_PER_S = 1000.0  # prefill rate assumed until an instance has meas
 TRANSFER_S_PER_BLOCK = 5e-5  # moving one block between instances (KV transfer bench: ~8 GB/s)
 REMOTE_OVERHEAD_S = 0.01  # the producer's leg: a second HTTP exchange, its step, the hand-off
 STALL_BUDGET_S = 0.1  # a local prefill may hold decode's running streams this long
+STALL_MAX_S = 0.25  # or up to this long, when the request's wait for a producer exceeds what its streams lose
 STREAM_TOKENS = 32  # a stream a decode instance runs weighs as this many prompt tokens
 ALIKE = 2.0  # measured prefill rates within this factor of the median are noise: the median is used
 NEAR, NEAR_S = 0.1, 0.002  # predicted times within 10 % + 2 ms of the fastest count as equal
@@ -58,6 +61,9 @@ class Placement:
     # blocks as the first decode candidate hashes them (what copies.py remembers a conversation by)
     cached_anywhere: int | None = None  # kv-aware: the most prompt tokens any one instance holds (index)
     held: dict[str, int] = dataclasses.field(default_factory=dict)  # kv-aware: each healthy instance's, by URL
+    predicted: dict[str, float] = dataclasses.field(default_factory=dict)  # kv-aware: seconds to the first
+    # token on the best remote pair and on the best decode instance allowed to prefill, and the prefill
+    # rate used for each instance (tokens/s): what the decision was made from (--placement-log)
 
 
 def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | None = None) -> Placement:
@@ -101,8 +107,12 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
     def local_s(d: UpstreamState) -> float:
         return (_queue_tokens(d) + n - have(d)) / rate(d)
     producers_busy = router.prefill.least_queued() > 0  # every healthy producer has a request in flight or queued
-    local = [d for d in remote if d.healthy and 0 < cached(d)
-             and ((n - have(d)) / rate(d) <= STALL_BUDGET_S or producers_busy and d.streams() == 0)]
+
+    def may_prefill(d: UpstreamState) -> bool:  # the stall its streams would pay is worth it
+        stall = (n - have(d)) / rate(d)
+        return stall <= STALL_BUDGET_S or producers_busy and (
+            d.streams() == 0 or stall <= STALL_MAX_S and stall * d.streams() <= remote_s - local_s(d))
+    local = [d for d in remote if d.healthy and 0 < cached(d) and may_prefill(d)]
     nearest = min(local, key=local_s, default=None)
     is_local = nearest is not None and local_s(nearest) <= remote_s
     first = nearest if is_local else (remote[0] if remote else None)
@@ -113,8 +123,11 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
         cached.computing(computer, now + COMPUTING_S + (local_s(computer) if is_local else producer_s(computer)))
     hashes = cached.of(first) if first is not None else []
     held = {s.url: cached.held(s) for s in caches}
+    predicted = {"remote_s": round(remote_s, 4), "local_s": round(local_s(nearest), 4) if nearest else None,
+                 "stall_s": {d.url: round((n - have(d)) / rate(d), 4) for d in remote},
+                 "rates": {s.url: round(rate(s)) for s in caches}}
     return Placement(decode, prefill, n, n - cached(first) if first is not None else n, is_local, holders, hashes,
-                     max(held.values(), default=0), held)
+                     max(held.values(), default=0), held, predicted)
 
 
 def _ranked(rotated: list[UpstreamState], seconds, cached) -> list[UpstreamState]:
