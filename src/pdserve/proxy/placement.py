@@ -61,9 +61,10 @@ class Placement:
     # blocks as the first decode candidate hashes them (what copies.py remembers a conversation by)
     cached_anywhere: int | None = None  # kv-aware: the most prompt tokens any one instance holds (index)
     held: dict[str, int] = dataclasses.field(default_factory=dict)  # kv-aware: each healthy instance's, by URL
-    predicted: dict[str, float] = dataclasses.field(default_factory=dict)  # kv-aware: seconds to the first
-    # token on the best remote pair and on the best decode instance allowed to prefill, and the prefill
-    # rate used for each instance (tokens/s): what the decision was made from (--placement-log)
+    predicted: dict[str, object] = dataclasses.field(default_factory=dict)  # kv-aware: seconds to the first
+    # token on the best remote pair and on the best decode instance allowed to prefill, each decode
+    # instance's stall, and the prefill rate used for each instance (tokens/s): what the decision was
+    # made from (--placement-log)
 
 
 def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | None = None) -> Placement:
@@ -106,10 +107,13 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
 
     def local_s(d: UpstreamState) -> float:
         return (_queue_tokens(d) + n - have(d)) / rate(d)
+
+    def stall_s(d: UpstreamState) -> float:  # how long a local prefill holds d's running streams
+        return (n - have(d)) / rate(d)
     producers_busy = router.prefill.least_queued() > 0  # every healthy producer has a request in flight or queued
 
     def may_prefill(d: UpstreamState) -> bool:  # the stall its streams would pay is worth it
-        stall = (n - have(d)) / rate(d)
+        stall = stall_s(d)
         return stall <= STALL_BUDGET_S or producers_busy and (
             d.streams() == 0 or stall <= STALL_MAX_S and stall * d.streams() <= remote_s - local_s(d))
     local = [d for d in remote if d.healthy and 0 < cached(d) and may_prefill(d)]
@@ -124,7 +128,7 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
     hashes = cached.of(first) if first is not None else []
     held = {s.url: cached.held(s) for s in caches}
     predicted = {"remote_s": round(remote_s, 4), "local_s": round(local_s(nearest), 4) if nearest else None,
-                 "stall_s": {d.url: round((n - have(d)) / rate(d), 4) for d in remote},
+                 "stall_s": {d.url: round(stall_s(d), 4) for d in remote},
                  "rates": {s.url: round(rate(s)) for s in caches}}
     return Placement(decode, prefill, n, n - cached(first) if first is not None else n, is_local, holders, hashes,
                      max(held.values(), default=0), held, predicted)
