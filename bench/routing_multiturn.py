@@ -50,8 +50,9 @@ def summarize(rows: list[dict]) -> dict:
                 for policy in ("kv-aware", "least-loaded")}
         if all(runs.values()):
             p50 = {policy: statistics.median(r["ttft_p50_ms"] for r in rs) for policy, rs in runs.items()}
-            summary[str(rate)] = {"ttft_p50_least_loaded_over_kv_aware": round(p50["least-loaded"] / p50["kv-aware"], 2),
-                                  "kv_aware_history_from_cache": min(r["history_from_cache"] for r in runs["kv-aware"])}
+            summary[str(rate)] = {
+                "ttft_p50_least_loaded_over_kv_aware": round(p50["least-loaded"] / p50["kv-aware"], 2),
+                "kv_aware_history_from_cache": min(r["history_from_cache"] for r in runs["kv-aware"])}
     return summary
 
 
@@ -61,8 +62,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--rates", default="0.5,1", help="sessions started per second, comma-separated")
     ap.add_argument("--policies", default="kv-aware,least-loaded")
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each policy at each rate, alternating: "
-                    "the ratio is of their median TTFT p50s (one run's p50 over 72 turns moves by tens of %%)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each policy at each rate, alternating: the ratio is of their median TTFT "
+                         "p50s (one run's p50 over 72 turns moves by tens of %%)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "routing_multiturn.json"))
     args = ap.parse_args()
     model = ensure_model(None)
@@ -86,8 +88,8 @@ def main() -> None:
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "computed"}), flush=True)
     summary = summarize(rows)
-    out = {"sessions": args.sessions, "turns": args.turns, "repeats": args.repeats, "system": SYSTEM, "user": USER, "answer": ANSWER,
-           "results": rows, "summary": summary}
+    out = {"sessions": args.sessions, "turns": args.turns, "repeats": args.repeats, "system": SYSTEM,
+           "user": USER, "answer": ANSWER, "results": rows, "summary": summary}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(summary))
 
