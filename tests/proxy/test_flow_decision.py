@@ -172,9 +172,10 @@ def test_a_prompt_the_producer_counts_otherwise_is_counted_and_said_once(tiny_mo
 
 
 def test_a_local_prefill_claims_what_another_instance_caches():
-    """kv-aware: the decode instance holding the start of a conversation prefills the rest
-    itself (80 tokens once it claims the rest of the history: within the stall budget), and claims the history the producer caches rather than computing it (the proxy names
-    the producer to it as a holder, never decode itself)."""
+    """kv-aware: the decode instance holding the start of a conversation prefills the rest itself
+    (80 tokens once it claims the rest of the history: within the stall budget), and claims the
+    history the producer caches rather than computing it (the proxy names the producer to it as a
+    holder, never decode itself)."""
     async def main():
         prefill, d0, d1 = FakeInstance("http://p"), FakeInstance("http://d0"), FakeInstance("http://d1")
         for d in (d0, d1):

@@ -105,11 +105,11 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
     remote_s = REMOTE_OVERHEAD_S + (producer_s(prefill[0]) if prefill else float("inf")) \
         + (decode_s(remote[0]) if remote else 0)
 
-    def local_s(d: UpstreamState) -> float:
-        return (_queue_tokens(d) + n - have(d)) / rate(d)
-
     def stall_s(d: UpstreamState) -> float:  # how long a local prefill holds d's running streams
         return (n - have(d)) / rate(d)
+
+    def local_s(d: UpstreamState) -> float:
+        return _queue_tokens(d) / rate(d) + stall_s(d)
     producers_busy = router.prefill.least_queued() > 0  # every healthy producer has a request in flight or queued
 
     def may_prefill(d: UpstreamState) -> bool:  # the stall its streams would pay is worth it
