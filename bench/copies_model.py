@@ -13,13 +13,16 @@ cache of all the blocks beside them:
   both        both copies kept (--kv-copies both)
   keep-P      the decode copy always spare; keep-D the producer's
   per-request the kept copy alternates request by request
-  one         pdserve's: alternates by conversation, a turn keeps its history's pool
-  one+move    and the instance that lends a history to another producer makes its copy spare
+  one         alternates by conversation, a turn keeps its history's pool
+  one+move    pdserve's: and an instance that lends a history to a producer that keeps it makes
+              its copy of what it lent spare (a lent shared system prompt is kept again when a
+              request of its own uses it)
 
 With `--placements LOG --result RUN.json --trace TRACE.jsonl` it replays a real run instead: the
 proxy's `--placement-log` of a `pdserve bench serve` run on that trace (bench/routing.py keeps its
 trace and results in its work directory; pass `--proxy-args "--placement-log LOG"` to `pdserve up`),
-each request placed where the proxy placed it, and prints the model's hit rate beside the run's.
+each request placed where the proxy placed it (a holder that does not keep the prompt demoting
+what it lends), and prints the model's hit rate beside the run's.
 A real run well below its own placements' replay loses cache content the model keeps (so found: a
 producer's kept copy demoted by a later spare copy, 0.595 against 0.640).
 """
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from pdserve.bench.trace import conversation_trace  # noqa: E402
 
 BLOCKS_PER_ID = 4  # bench/routing.py: 64 tokens per hash id, 16 per block
+PULL_MIN_BLOCKS = 4  # an instance pulls 64 tokens at least (--kv-pull-min-tokens)
 
 
 class Cache:
@@ -97,13 +101,23 @@ def replay(rows: list[dict], capacity: int, rule: str) -> float:
         else:
             keep_p = {"both": None, "keep-P": True, "keep-D": False, "per-request": turn % 2 == 0}[rule]
         if rule == "one+move" and keep_p:
-            lender = max((c for c in producers + decodes if c is not p), key=lambda c: c.prefix(blocks))
-            if lender.prefix(blocks) > p.prefix(blocks):
-                lender.demote(blocks[:lender.prefix(blocks)])
+            lend(p, [c for c in producers + decodes if c is not p], blocks)
         answer = [next(answers) for _ in range(row["output_length"] // 16)]
         p.put(blocks, spare=keep_p is False)
         d.put(blocks + answer, spare=keep_p is True)
     return hit / total
+
+
+def lend(claimer: Cache, others: list[Cache], blocks: list[int], keeper: Cache | None = None) -> None:
+    """`claimer` pulls the prompt's blocks it lacks from the instance caching most of them (when
+    that is at least PULL_MIN_BLOCKS more); the lender's copy of what it lent becomes a spare,
+    unless the lender is the instance keeping the prompt."""
+    if not others:
+        return
+    lender = max(others, key=lambda c: c.prefix(blocks))
+    have, held = claimer.prefix(blocks), lender.prefix(blocks)
+    if held - have >= PULL_MIN_BLOCKS and lender is not keeper:
+        lender.demote(blocks[have:held])
 
 
 def replay_placements(rows: list[dict], placements: list[dict], starts: list[float], capacity: int) -> float:
@@ -120,6 +134,11 @@ def replay_placements(rows: list[dict], placements: list[dict], starts: list[flo
         total += len(blocks)
         hit += max((c.prefix(blocks) for c in caches.values()), default=0)
         answer = [next(answers) for _ in range(rows[i]["output_length"] // 16)]
+        computer = caches.setdefault(p["prefill"] or p["decode"], Cache(capacity))
+        if p["decision"] == "local" or p["spare_copy"] is not None:  # one copy kept: a moved history's lender
+            kept_on = p["decode"] if p["decision"] == "local" or p["spare_copy"] == "prefill" else p["prefill"]
+            lend(computer, [c for c in caches.values() if c is not computer], blocks,
+                 caches.setdefault(kept_on, Cache(capacity)))
         if p["prefill"] is not None:
             caches.setdefault(p["prefill"], Cache(capacity)).put(blocks, spare=p["spare_copy"] == "prefill")
         caches.setdefault(p["decode"], Cache(capacity)).put(blocks + answer, spare=p["spare_copy"] == "decode")

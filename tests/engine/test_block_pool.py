@@ -231,3 +231,25 @@ def test_a_leased_block_marked_spare_is_freed_as_spare():
     assert set(pool.spare) == set(range(4))
     pool.allocate(4)
     assert pool.copy == bytearray(4)  # reused blocks forget what their last copy was
+
+
+def test_a_demoted_block_is_a_spare_copy_until_a_request_here_keeps_it_again():
+    """Another instance claimed the blocks to keep them (a history moved): this copy goes first,
+    whoever kept it before, until a request that uses it here releases it kept."""
+    pool = BlockPool(6, 2)
+    moved = _cached(pool, [1, 2, 3, 4])
+    pool.release(moved.block_ids, spare=False)
+    other = _cached(pool, [5, 6, 7, 8])
+    pool.release(other.block_ids, spare=False)
+    assert pool.pin(pool.block_hashes(_request([1, 2, 3, 4, 0]), 2), spare=True) == moved.block_ids
+    pool.release(moved.block_ids)  # the lease ends with no word
+    assert set(pool.spare) >= set(moved.block_ids) and set(pool.free) == set(other.block_ids)
+    assert set(pool.allocate(4)) >= set(moved.block_ids)  # reused before the older kept prompt
+    assert pool.match_prefix(_request([5, 6, 7, 8, 0], computed=0)) == other.block_ids
+    again = _cached(pool, [1, 2, 3, 4])
+    pool.release(again.block_ids, spare=False)
+    pinned = pool.pin(pool.block_hashes(_request([1, 2, 3, 4, 0]), 2), spare=True)
+    pool.take(pinned)  # a request here hits them while the claim holds them
+    pool.release(pinned)  # the lease ends
+    pool.release(pinned, spare=False)  # the request here wants them kept: kept again
+    assert set(pool.free) >= set(again.block_ids)

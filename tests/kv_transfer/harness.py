@@ -115,9 +115,7 @@ class Instance:
             if o.state != TransferState.KV_LOADED:
                 self.finish(o.request_id)
         for pin in outcome.pins:
-            blocks = self.pool.held_run(pin.block_hashes)
-            self.pool.take(blocks)
-            self.pinned.append(Pinned(pin.claim_id, blocks))
+            self.pinned.append(Pinned(pin.claim_id, self.pool.pin(pin.block_hashes, pin.spare)))
 
     def finish(self, request_id: str) -> None:
         """The request ends here (its blocks are freed, the connector hears of it)."""

@@ -37,10 +37,11 @@ def digests(tokens: list[int]) -> list[bytes]:
     return hash_blocks(tokens, BLOCK_SIZE, extra_keys("m"))
 
 
-def pull(world, p, holders, tokens=HISTORY, rid="r1") -> list[int]:
+def pull(world, p, holders, tokens=HISTORY, rid="r1", spare=False) -> list[int]:
     blocks = p.pool.allocate(len(tokens) // BLOCK_SIZE)
     p.blocks[rid] = blocks
-    spec = RemotePull(rid, blocks, digests(tokens), tuple(Holder.parse(h.connector.holder(), "h") for h in holders))
+    spec = RemotePull(rid, blocks, digests(tokens),
+                      tuple(Holder.parse({**h.connector.holder(), "spare": spare}, "h") for h in holders))
     p.step(pulls=[spec])  # the step whose scheduler admitted the pull
     return blocks
 
@@ -63,6 +64,20 @@ def test_a_producer_reads_the_blocks_a_holder_caches(world, p_tp, d_tp):
     assert_holder_idle(d)  # every read notified: the claim's lease ended, the blocks stay cached
     assert d.connector.producer.counters()["kv_blocks_claimed"] == 4
     assert len(d.pool.held_run(digests(HISTORY))) == 4
+
+
+@pytest.mark.parametrize("spare", [False, True])
+def test_a_holder_told_its_copy_is_spare_now_reuses_what_it_lent_first(world, spare):
+    """The proxy's `spare` on a holder (another instance keeps the prompt now: a history moved):
+    the blocks it lent go to its spare list when the claim's lease ends; without it they stay kept."""
+    d = holder_with(world, "D", HISTORY, seed=9)
+    lent = d.pool.held_run(digests(HISTORY))
+    d.pool.mark(lent, spare=False)  # the history's own request kept it
+    pull(world, world.instance("P"), [d], spare=spare)
+    world.run(10)
+    assert_holder_idle(d)
+    assert len(d.pool.held_run(digests(HISTORY))) == 4  # still cached either way
+    assert (set(lent) <= set(d.pool.spare)) is spare and (set(lent) <= set(d.pool.free)) is not spare
 
 
 def test_only_the_leading_run_the_holder_caches_is_read(world):
@@ -126,6 +141,9 @@ def test_holders_must_be_signed_by_the_deployment(world):
     p = world.instance("P", **secret)
     token = d.connector.holder()
     p.connector.consumer.check_holders((Holder.parse(token, "h"),))  # signed: accepted
+    p.connector.consumer.check_holders((Holder.parse({**token, "spare": True}, "h"),))  # the proxy's word: unsigned
+    with pytest.raises(InvalidRequestError, match=r"h\.spare"):
+        Holder.parse({**token, "spare": "yes"}, "h")
     forged = Holder.parse({**token, "port": token["port"] + 1}, "h")
     with pytest.raises(InvalidRequestError, match=r"kv_holders\[0\].signature"):
         p.connector.consumer.check_holders((forged,))

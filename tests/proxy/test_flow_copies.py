@@ -9,12 +9,15 @@ import asyncio
 import json
 
 from test_flow_decision import FakeInstance, HeldIndex, Ids, _drain, _never_gone
+from test_placement import FakeUpstream
 
 from pdserve.health import PrefixCacheInfo
 from pdserve.proxy.copies import Copies
 from pdserve.proxy.flow import PDFlow
+from pdserve.proxy.flow import _holders as flow_holders
+from pdserve.proxy.placement import Placement
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.router import Router
+from pdserve.proxy.router import Router, UpstreamState
 
 
 def _run(copies: Copies | None) -> list[tuple[bool, bool]]:
@@ -112,3 +115,26 @@ def _open_files_at(path) -> int:
     import os
     fds = os.listdir("/proc/self/fd")
     return sum(1 for fd in fds if os.path.realpath(f"/proc/self/fd/{fd}") == str(path))
+
+
+def _state(url: str) -> UpstreamState:
+    return UpstreamState(FakeUpstream(url), kv_holder={"engine_id": url})
+
+
+def test_a_holder_that_does_not_keep_the_prompt_lends_it_as_its_spare_copy():
+    """With one copy kept, the instances the prefilling one claims from are told that what they lend
+    becomes their spare copy, unless they keep this prompt themselves: a history that moves to
+    another instance is not kept twice. With both copies kept, nobody is told."""
+    p1, p2, d1, d2 = (_state(u) for u in ("p1", "p2", "d1", "d2"))
+    plan = Placement(decode=[d2, d1], prefill=[p2, p1], holders=[d1, p1])
+
+    def told(decision, spare, one_copy=True):
+        return {h["engine_id"] for h in flow_holders(plan, decision, spare, one_copy) if h.get("spare")}
+    assert told("remote", "prefill") == {"d1", "p1"}  # decode d2 keeps it: d1's history moved there
+    assert told("remote", "decode") == {"d1", "p1"}  # producer p2 keeps it
+    assert told("local", None) == {"d1", "p1"}  # d2 prefills and keeps it
+    assert told("remote", "prefill", one_copy=False) == told("remote", None) == set()
+    kept_by_d1 = Placement(decode=[d1, d2], prefill=[p2, p1], holders=[d1, p1])
+    assert {h["engine_id"] for h in flow_holders(kept_by_d1, "remote", "prefill", True) if h.get("spare")} \
+        == {"p1"}  # the turn stays on d1, whose copy the producer reads: d1 keeps it
+    assert [h["engine_id"] for h in flow_holders(plan, "remote", None, True)] == ["d1", "p1"]

@@ -10,7 +10,8 @@ until their release time passes.
 
 Free blocks wait in two LRU lists, reused in this order: `spare` (blocks caching nothing, and spare
 copies: KV another instance keeps, as the kv-aware proxy arranges so that P/D does not cache a
-prompt twice) and `free` (the cache proper). A block a request wanted kept stays kept while cached.
+prompt twice) and `free` (the cache proper). A block a request wanted kept stays kept while cached,
+unless another instance claims it to keep it instead (`pin`: a conversation's history moved).
 """
 
 from __future__ import annotations
@@ -213,6 +214,18 @@ class BlockPool:
                 self.copy[b] = KEPT
             elif self.copy[b] != KEPT:
                 self.copy[b] = SPARE
+
+    def pin(self, block_hashes: list[bytes], spare: bool = False) -> list[int]:
+        """Another instance claims blocks this one caches: one reference on each block of the
+        leading run of `block_hashes` held here. `spare`: the claimer keeps them now (a history
+        moved), so they become a spare copy here whoever kept them, until a request that uses them
+        here releases them kept."""
+        blocks = self.held_run(block_hashes)
+        self.take(blocks)
+        if spare:
+            for b in blocks:
+                self.copy[b] = SPARE
+        return blocks
 
     def quarantine_blocks(self, block_ids: list[int], until: float) -> None:
         """Keep blocks out of reuse until `until` (monotonic): a late READ of an expired lease must

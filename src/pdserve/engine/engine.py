@@ -244,9 +244,7 @@ class Engine:
             if request is not None:  # else it ended while the decision was on its way
                 self._apply_load(request, o)
         for pin in outcome.pins:  # another instance's producer claims blocks this one caches
-            blocks = self.pool.held_run(pin.block_hashes)
-            self.pool.take(blocks)
-            self._pinned.append(Pinned(pin.claim_id, blocks))
+            self._pinned.append(Pinned(pin.claim_id, self.pool.pin(pin.block_hashes, pin.spare)))
 
     def _apply_load(self, request: Request, o: LoadOutcome) -> None:
         if o.quarantine_blocks:  # a READ may still land in them (never in shared cached blocks)

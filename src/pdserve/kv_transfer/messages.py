@@ -208,6 +208,7 @@ class Claim(msgspec.Struct, frozen=True, tag="claim"):
 
     claimer_engine_id: Name
     block_hashes: Annotated[list[Digest], msgspec.Meta(max_length=MAX_IDS_PER_MESSAGE)]
+    spare: bool = False  # the claimer keeps what it reads: the holder's copy becomes a spare one
 
 
 class ClaimReply(msgspec.Struct, frozen=True, tag="claim_reply"):

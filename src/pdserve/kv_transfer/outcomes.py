@@ -42,10 +42,12 @@ class RemotePull:
 class Pin:
     """A producer of another instance claims blocks this one caches: take one reference on each
     block of the leading run of `block_hashes` this instance holds, and name them in the next
-    step's `Pinned` (none held: an empty list)."""
+    step's `Pinned` (none held: an empty list). `spare`: the claimer keeps them now, so this
+    instance's copy becomes a spare one (BlockPool.demote)."""
 
     claim_id: int
     block_hashes: list[bytes]
+    spare: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

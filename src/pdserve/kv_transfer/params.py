@@ -59,6 +59,8 @@ class Holder:
     tp_size: int
     expires_at: float | None = None
     signature: str | None = None
+    spare: bool = False  # the proxy's word, never signed: another instance keeps this prompt now, so
+    # what this holder lends becomes its spare copy (a conversation's history moved; not in to_json)
 
     @classmethod
     def parse(cls, obj: Any, field: str) -> "Holder":
@@ -67,7 +69,7 @@ class Holder:
         p = _Reader(obj, field)
         holder = cls(engine_id=p.str("engine_id"), host=p.host("host"), port=p.int("port", lo=1, hi=65535),
                      tp_size=p.int("tp_size", lo=1, hi=MAX_TP), expires_at=p.float("expires_at", lo=0.0, hi=1e11),
-                     signature=p.hex("signature", 64))
+                     signature=p.hex("signature", 64), spare=p.bool("spare"))
         for name in ("engine_id", "host", "port", "tp_size"):
             if getattr(holder, name) is None:
                 raise InvalidRequestError(f"{field}.{name}", "is required")

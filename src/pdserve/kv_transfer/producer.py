@@ -127,7 +127,7 @@ class ProducerSide:
                 return
             claim_id = next(self._claim_ids)
             self._pinning[claim_id] = pending
-            self.outcome.pins.append(Pin(claim_id, list(pending.claim.block_hashes)))
+            self.outcome.pins.append(Pin(claim_id, list(pending.claim.block_hashes), pending.claim.spare))
 
     def _grant(self, pending: PendingClaim, block_ids: list[int]) -> None:
         """The engine pinned `block_ids` (one reference each) for a claim: they go to an unbound

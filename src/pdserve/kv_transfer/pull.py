@@ -94,7 +94,8 @@ class Puller:
         holder = pulling.spec.holders[pulling.next_holder]
         pulling.next_holder += 1
         rid = pulling.spec.request_id
-        self.client.send(holder.host, holder.port, Claim(self.engine_id, list(pulling.spec.block_hashes)),
+        claim = Claim(self.engine_id, list(pulling.spec.block_hashes), spare=holder.spare)
+        self.client.send(holder.host, holder.port, claim,
                          min(CLAIM_TIMEOUT_S, self.config.handshake_timeout_s),
                          lambda reply: self.deliver(ClaimReplied(rid, holder, reply)))
 

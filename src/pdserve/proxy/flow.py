@@ -148,7 +148,7 @@ class PDFlow:
                          "decision": decision, "decode": plan.decode[0].url if plan.decode else None,
                          "prefill": plan.prefill[0].url if plan.prefill and decision != LOCAL else None,
                          "spare_copy": spare, "held": plan.held, **plan.predicted})
-        holders = [s.kv_holder for s in plan.holders if s.kv_holder][:MAX_HOLDERS] if protocol == "pdserve" else []
+        holders = _holders(plan, decision, spare, self.router.copies is not None) if protocol == "pdserve" else []
         if decision == LOCAL:  # decode prefills it itself
             self.metrics.requests.labels("decode_only").inc()
             if holders and plan.cached_anywhere is not None:  # kv-aware: it claims what others cache, as a producer
@@ -232,6 +232,20 @@ class PDFlow:
             return LOCAL if plan.local else REMOTE
         tokens = plan.num_tokens if plan.num_tokens is not None else prompt_tokens(body)
         return self.policy.decide(tokens, self.router.decode.least_prefilling(), prefill_queue)
+
+
+def _holders(plan: Placement, decision: str, spare: str | None, one_copy: bool) -> list[dict]:
+    """The instances the prefilling one may claim the prompt's blocks from, as they signed
+    themselves. With one copy kept (copies.py), a holder that is not the instance keeping this
+    prompt is told that what it lends becomes its spare copy: the history moves rather than being
+    kept twice (the index no longer finds it there once it is evicted)."""
+    keeper = None
+    if one_copy and (decision == LOCAL or spare == PREFILL):
+        keeper = plan.decode[0] if plan.decode else None
+    elif one_copy and spare == DECODE:
+        keeper = plan.prefill[0] if plan.prefill else None
+    return [{**s.kv_holder, "spare": True} if keeper is not None and s is not keeper else s.kv_holder
+            for s in plan.holders if s.kv_holder][:MAX_HOLDERS]
 
 
 async def _cancel_when_gone(is_disconnected, task: asyncio.Future, every_s: float = 0.1) -> None:
