@@ -4,7 +4,7 @@ Each `Instance` is the real scheduler-side connector and one real worker-side co
 (no threads: a step runs them in turn), a real BlockPool, KV caches in numpy arrays, the loopback
 fabric and network (transport/loopback.py) and a fake clock. `step` is an engine step without the
 model: the ranks run with the last step's metadata, then one connector call (what was admitted,
-the ranks' reports, what was pinned) and one apply of its outcome. Producer blocks
+the ranks' reports) and one apply of its outcome, whose pins are granted at once. Producer blocks
 are filled with a pattern that names (request, layer, K/V, global head, position, dim), so a test
 checks the consumer received exactly the right bytes for any pair of TP sizes.
 """
@@ -80,7 +80,7 @@ class Instance:
         self.filled: dict[str, list[int]] = {}  # producer request id -> the blocks `prefill` filled
         self.outcomes: list[LoadOutcome] = []
         self.metadata: ConnectorMetadata | None = None  # for the ranks, with the next step
-        self.pinned: list[Pinned] = []  # for the connector, with the next step
+        self.pinned: list[Pinned] = []  # pinned for claims while applying an outcome, granted at once
         self.steps_with_metadata = 0  # steps that had to run the ranks to tell them something
 
     # --- the engine's part ------------------------------------------------------------------------
@@ -96,9 +96,11 @@ class Instance:
                 w.start_step(meta)
             w.run_once()
         outcome, self.metadata = self.connector.step(StepIn(list(loads), list(pulls),
-                                                            [w.report() for w in self.workers], self.pinned))
-        self.pinned = []
+                                                            [w.report() for w in self.workers]))
         self.apply(outcome)
+        if self.pinned:
+            self.metadata = self.connector.grant(self.pinned, self.metadata)
+            self.pinned = []
 
     def apply(self, outcome: ConnectorOutcome) -> None:
         """What Engine._apply does, on the pool and the test's block table."""

@@ -135,6 +135,23 @@ def test_a_holder_too_busy_to_answer_in_time_pins_nothing(world):
     assert_holder_idle(d)
 
 
+def test_a_holder_in_a_long_step_grants_at_its_next_step_within_the_claimers_wait(world):
+    """A holder pins between its steps, and a step may take seconds on a loaded CPU instance: the
+    claim waits as long as its claimer does (not 1 s), and the pin and the grant come in one step."""
+    d = holder_with(world, "D", HISTORY, seed=9)
+    p = world.instance("P")
+    pull(world, p, [d])
+    world.network.pump()  # the claim reaches D, whose engine is in the middle of a long step
+    world.clock.advance(5.0)
+    d.step()  # its next step pins the blocks and answers
+    world.network.pump()  # the grant reaches P
+    assert d.connector.producer.counters()["kv_blocks_claimed"] == 4
+    world.run(8)
+    o = p.outcome("r1")
+    assert o.state == TransferState.KV_LOADED and o.num_blocks == 4
+    np.testing.assert_array_equal(p.kv("r1", 16), expected_kv(9, 4, 16))
+
+
 def test_holders_must_be_signed_by_the_deployment(world):
     secret = {"secret": b"k" * 32}
     d = world.instance("D", **secret)

@@ -2,9 +2,9 @@
 
 Engine process (the server runs it in one dedicated thread). A step is schedule -> execute on the TP
 ranks -> process the sampled tokens -> one call to the P/D connector (what was admitted, what the
-ranks reported, what was pinned), whose one outcome the engine applies (`_apply`) to its scheduler
-and block pool, and whose metadata goes to the ranks with the next step (docs/design.md, "The
-connector seam").
+ranks reported), whose one outcome the engine applies (`_apply`) to its scheduler and block pool,
+and whose metadata goes to the ranks with the next step (docs/design.md, "The connector seam").
+Blocks pinned for other instances' claims go back to the connector at once (`grant`).
 """
 
 from __future__ import annotations
@@ -86,7 +86,6 @@ class Engine:
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._pending: list[RequestOutput] = []  # produced outside a step (first tokens, failures)
         self._metadata: ConnectorMetadata | None = None  # for the ranks, with the next step
-        self._pinned: list[Pinned] = []  # for the connector, with the next step
         self._reschedule = False  # the last outcome may have made room for a queued request
         self._step_id = 0
         self.num_generated_tokens = 0
@@ -233,8 +232,9 @@ class Engine:
         self.connector.request_finished(request.request_id)
         return handoff.params if handoff else None
 
-    def _apply(self, outcome: ConnectorOutcome) -> None:
-        """Carry out what the connector decided, in the order outcomes.py documents."""
+    def _apply(self, outcome: ConnectorOutcome) -> list[Pinned]:
+        """Carry out what the connector decided, in the order outcomes.py documents; the blocks
+        pinned for its claims, for the connector to grant."""
         if outcome.free_blocks:
             self.pool.release(outcome.free_blocks)
         for until, block_ids in outcome.quarantine:
@@ -243,8 +243,8 @@ class Engine:
             request = self.scheduler.requests.get(o.request_id)
             if request is not None:  # else it ended while the decision was on its way
                 self._apply_load(request, o)
-        for pin in outcome.pins:  # another instance's producer claims blocks this one caches
-            self._pinned.append(Pinned(pin.claim_id, self.pool.pin(pin.block_hashes, pin.spare)))
+        # another instance's producer claims blocks this one caches
+        return [Pinned(pin.claim_id, self.pool.pin(pin.block_hashes, pin.spare)) for pin in outcome.pins]
 
     def _apply_load(self, request: Request, o: LoadOutcome) -> None:
         if o.quarantine_blocks:  # a READ may still land in them (never in shared cached blocks)
@@ -268,7 +268,7 @@ class Engine:
         overloaded engine does not spin; an outcome that freed blocks or sent a request back to the
         queue gets one. Ranks with a report to collect wake the loop."""
         return bool(self._pending or self.scheduler.running or self._reschedule or self._metadata is not None
-                    or self._pinned or self.executor.reports_waiting) or self.connector.needs_step()
+                    or self.executor.reports_waiting) or self.connector.needs_step()
 
     def wakeup_in(self) -> float | None:
         """Seconds until a timer (the connector's, or quarantined blocks coming back) needs a step."""
@@ -298,9 +298,10 @@ class Engine:
                 out.kv_transfer_params = self._finish(request, status)
             outputs.append(out)
         outcome, self._metadata = self.connector.step(StepIn(
-            sched.remote_loads, sched.remote_pulls, [r.connector for r in results], self._pinned))
-        self._pinned = []
-        self._apply(outcome)
+            sched.remote_loads, sched.remote_pulls, [r.connector for r in results]))
+        pinned = self._apply(outcome)
+        if pinned:  # claims answered now: a claimer waits one step of this engine at most
+            self._metadata = self.connector.grant(pinned, self._metadata)
         self._reschedule = bool(outcome) and bool(self.scheduler.waiting)
         return outputs + self._drain_pending()
 

@@ -209,6 +209,8 @@ class Claim(msgspec.Struct, frozen=True, tag="claim"):
     claimer_engine_id: Name
     block_hashes: Annotated[list[Digest], msgspec.Meta(max_length=MAX_IDS_PER_MESSAGE)]
     spare: bool = False  # the claimer keeps what it reads: the holder's copy becomes a spare one
+    wait_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 1.0  # the holder's engine pins between its
+    # steps: the claimer waits this long for it (a step may take seconds), then computes the blocks
 
 
 class ClaimReply(msgspec.Struct, frozen=True, tag="claim_reply"):

@@ -59,13 +59,11 @@ class Pinned:
 @dataclasses.dataclass(frozen=True)
 class StepIn:
     """What the engine tells the connector once per step, after the ranks ran: what its scheduler
-    admitted this step, each rank's report (empty when the ranks did not run), and the blocks it
-    pinned for the previous step's `Pin`s."""
+    admitted this step and each rank's report (empty when the ranks did not run)."""
 
     loads: list[RemoteLoad] = ()
     pulls: list[RemotePull] = ()
     reports: list[ConnectorReport | None] = ()  # in rank order
-    pinned: list[Pinned] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,8 @@ from pdserve.transport.deferred import Deferred
 
 logger = logging.getLogger(__name__)
 
-CLAIM_WAIT_S = 1.0  # a claim the engine has not pinned blocks for by then gets "nothing held"
+CLAIM_WAIT_S = 10.0  # at most: a claim the engine has not pinned blocks for by the claimer's wait gets
+# "nothing held"
 HOLDER_S = 3600.0  # how long the holder token /health offers stays valid
 
 
@@ -176,11 +177,14 @@ class ProducerSide:
                 logger.info("ignored notification %s from %s (consumer rank %d)",
                             note.producer_request_id, r.sender, note.consumer_rank)
 
-    def tick(self, pinned: list[Pinned] = ()) -> None:
-        """Grant the claims the engine pinned blocks for, end the leases that are done, released or
-        expired, and ask for pins for the claims that arrived since the last step."""
+    def grant(self, pinned: list[Pinned]) -> None:
+        """Grant the claims the engine just pinned blocks for (its `Pin` outcomes)."""
         for p in pinned:
             self._grant(self._pinning.pop(p.claim_id), p.block_ids)
+
+    def tick(self) -> None:
+        """End the leases that are done, released or expired, and ask for pins for the claims that
+        arrived since the last step."""
         now = self.clock()
         free, expired = self.leases.collect(now)
         for lease in free:
@@ -226,7 +230,7 @@ class ProducerSide:
         if isinstance(msg, Claim):
             if not msg.block_hashes or not self._caches(msg.block_hashes[0]):
                 return self._nothing_held()  # at once: most prompts are nobody's history (the engine re-checks)
-            pending = PendingClaim(msg, Deferred(self._nothing_held(), CLAIM_WAIT_S, self.clock))
+            pending = PendingClaim(msg, Deferred(self._nothing_held(), min(msg.wait_s, CLAIM_WAIT_S), self.clock))
             self._claims.put(pending)
             self._wake()
             return pending.reply

@@ -26,7 +26,8 @@ from pdserve.kv_transfer.params import Holder, KVTransferParams
 
 logger = logging.getLogger(__name__)
 
-CLAIM_TIMEOUT_S = 2.0  # a holder that has not answered by then is skipped
+CLAIM_TIMEOUT_S = 10.0  # a holder that has not answered by then is skipped (at most the handshake timeout)
+REPLY_MARGIN_S = 1.0  # the holder says "nothing held" this long before the claimer would give up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +95,10 @@ class Puller:
         holder = pulling.spec.holders[pulling.next_holder]
         pulling.next_holder += 1
         rid = pulling.spec.request_id
-        claim = Claim(self.engine_id, list(pulling.spec.block_hashes), spare=holder.spare)
-        self.client.send(holder.host, holder.port, claim,
-                         min(CLAIM_TIMEOUT_S, self.config.handshake_timeout_s),
+        timeout_s = min(CLAIM_TIMEOUT_S, self.config.handshake_timeout_s)
+        claim = Claim(self.engine_id, list(pulling.spec.block_hashes), spare=holder.spare,
+                      wait_s=max(0.0, timeout_s - REPLY_MARGIN_S))
+        self.client.send(holder.host, holder.port, claim, timeout_s,
                          lambda reply: self.deliver(ClaimReplied(rid, holder, reply)))
 
     def _release(self, holder: Holder, lease_id: str, reason: str) -> None:

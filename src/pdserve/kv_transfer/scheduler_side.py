@@ -17,7 +17,7 @@ from typing import Callable
 from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.consumer import ConsumerSide
 from pdserve.kv_transfer.messages import ConnectorMetadata, ConnectorReport, Fingerprint, RankAgent
-from pdserve.kv_transfer.outcomes import ConnectorOutcome, Handoff, StepIn
+from pdserve.kv_transfer.outcomes import ConnectorOutcome, Handoff, Pinned, StepIn
 from pdserve.kv_transfer.params import FirstToken, KVTransferParams
 from pdserve.kv_transfer.producer import ProducerSide
 from pdserve.sampling_params import InvalidRequestError
@@ -100,9 +100,24 @@ class SchedulerConnector:
         for pull in step.pulls:
             self.consumer.pull(pull)
         self._process_reports(step.reports)
-        self.producer.tick(step.pinned)
+        self.producer.tick()
         self.consumer.tick()
         return self.outcome.take(), self._metadata()
+
+    def grant(self, pinned: list[Pinned], metadata: ConnectorMetadata | None) -> ConnectorMetadata | None:
+        """Answer the claims the engine pinned blocks for when it applied this step's outcome, at
+        once rather than a step later (a busy holder's step may take seconds); `metadata`, what
+        `step` returned for the ranks' next step, comes back telling them to poll for the readers'
+        notifications if these are the first leases."""
+        self.producer.grant(pinned)
+        polling = self.producer.has_leases
+        if polling == self._ranks_polling:
+            return metadata
+        self._ranks_polling = polling
+        if metadata is None:
+            return ConnectorMetadata(consumer_engine_id=self.engine_id, poll_notifications=polling)
+        metadata.poll_notifications = polling
+        return metadata
 
     def _process_reports(self, reports: list[ConnectorReport | None]) -> None:
         reports = [r or ConnectorReport() for r in reports]
