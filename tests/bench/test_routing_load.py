@@ -34,12 +34,38 @@ def test_the_table_has_a_row_per_load_with_the_ratios():
     assert header.count("|") == [line for line in lines if line.startswith("|---")][0].count("|")
 
 
+def _bounded(balance: dict[float, float]) -> dict:
+    """SWEEP with the LRU bound and each point's busiest ÷ mean (both pools alike)."""
+    return {**SWEEP, "points": [{**point, "results": {**point["results"], "kv-aware": {
+        **point["results"]["kv-aware"], "lru_bound_hit_rate": 0.68,
+        "busiest_over_mean": {"prefill": balance[point["speedup"]], "decode": 1.0}}}}
+        for point in SWEEP["points"]]}
+
+
 def test_the_hit_rate_over_the_lru_bound_is_said_per_load():
-    sweep = {**SWEEP, "points": [{**point, "results": {**point["results"], "kv-aware": {
-        **point["results"]["kv-aware"], "lru_bound_hit_rate": 0.68}}} for point in SWEEP["points"]]}
-    (said,) = [line for line in report_reuse.routing_load(sweep) if line.startswith("kv-aware's hit rate")]
-    assert "0.912 at speedup 0.5, 0.912 at speedup 0.25" in said
+    (said,) = [line for line in report_reuse.routing_load(_bounded({0.5: 1.1, 0.25: 1.1}))
+               if line.startswith("kv-aware's hit rate")]
+    assert "0.912 at speedup 0.5, 0.912 at speedup 0.25" in said and "1.1 / 1.0, 1.1 / 1.0" in said
     assert not [line for line in report_reuse.routing_load(SWEEP) if line.startswith("kv-aware's hit rate")]
+
+
+def test_the_loads_where_one_replay_met_every_trace_target_are_named():
+    """Hit rate ≥ 0.9 of the bound, busiest ≤ 1.15× the mean in both pools, least-loaded's TTFT p90
+    ≥ 2× kv-aware's: all in the same run."""
+    def said(sweep):
+        (line,) = [x for x in report_reuse.routing_load(sweep) if x.startswith("All three")]
+        return line
+    assert said(_bounded({0.5: 1.1, 0.25: 1.1})).endswith(": speedup 0.5, speedup 0.25.")
+    assert said(_bounded({0.5: 1.2, 0.25: 1.15})).endswith(": speedup 0.25.")  # 0.5 too unbalanced
+    slower = _bounded({0.5: 1.1, 0.25: 1.1})
+    slower["points"][0] = {**slower["points"][0], "ttft_p90_over_kv_aware": {"least-loaded": 1.9}}
+    assert said(slower).endswith(": speedup 0.25.")
+    low = _bounded({0.5: 1.1, 0.25: 1.1})
+    for point in low["points"]:
+        point["results"]["kv-aware"]["lru_bound_hit_rate"] = 0.7  # 0.62 / 0.7 = 0.886
+    assert said(low).endswith(": none.")
+    (line,) = [x for x in report_reuse.routing_load(low, _bounded({0.5: 1.1, 0.25: 1.3})) if x.startswith("All three")]
+    assert line.endswith(": none (run again: speedup 0.5).")
 
 
 def test_the_plot_is_written(tmp_path):
@@ -52,4 +78,4 @@ def test_a_rerun_is_quoted_beside_the_table():
     (said,) = [line for line in report_reuse.routing_load(SWEEP, rerun) if line.startswith("Least-loaded's")]
     assert said.endswith("least-loaded's TTFT p90 over kv-aware's was 1.7× at speedup 0.25.")
     (said,) = [line for line in report_reuse.routing_load(SWEEP) if line.startswith("Least-loaded's")]
-    assert said.endswith("between runs here.")
+    assert said.endswith("the ratio of two by up to ~30 %.")

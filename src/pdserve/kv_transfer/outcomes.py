@@ -41,9 +41,9 @@ class RemotePull:
 @dataclasses.dataclass(frozen=True)
 class Pin:
     """A producer of another instance claims blocks this one caches: take one reference on each
-    block of the leading run of `block_hashes` this instance holds, and name them in the next
-    step's `Pinned` (none held: an empty list). `spare`: the claimer keeps them now, so this
-    instance's copy becomes a spare one (BlockPool.demote)."""
+    block of the leading run of `block_hashes` this instance holds, and hand them straight back to
+    the connector as `Pinned` (none held: an empty list). `spare`: the claimer keeps them now, so
+    this instance's copy becomes a spare one (BlockPool.pin)."""
 
     claim_id: int
     block_hashes: list[bytes]

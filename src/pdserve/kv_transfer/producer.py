@@ -35,8 +35,8 @@ from pdserve.transport.deferred import Deferred
 
 logger = logging.getLogger(__name__)
 
-CLAIM_WAIT_S = 10.0  # at most: a claim the engine has not pinned blocks for by the claimer's wait gets
-# "nothing held"
+CLAIM_WAIT_S = 10.0  # at most: a claim the engine has not pinned blocks for within the claimer's wait
+# (`Claim.wait_s`) gets "nothing held"
 HOLDER_S = 3600.0  # how long the holder token /health offers stays valid
 
 
@@ -230,7 +230,8 @@ class ProducerSide:
         if isinstance(msg, Claim):
             if not msg.block_hashes or not self._caches(msg.block_hashes[0]):
                 return self._nothing_held()  # at once: most prompts are nobody's history (the engine re-checks)
-            pending = PendingClaim(msg, Deferred(self._nothing_held(), min(msg.wait_s, CLAIM_WAIT_S), self.clock))
+            wait_s = min(msg.wait_s, CLAIM_WAIT_S)  # the engine pins at its next step boundary
+            pending = PendingClaim(msg, Deferred(self._nothing_held(), wait_s, self.clock))
             self._claims.put(pending)
             self._wake()
             return pending.reply

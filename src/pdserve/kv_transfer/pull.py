@@ -26,7 +26,7 @@ from pdserve.kv_transfer.params import Holder, KVTransferParams
 
 logger = logging.getLogger(__name__)
 
-CLAIM_TIMEOUT_S = 10.0  # a holder that has not answered by then is skipped (at most the handshake timeout)
+CLAIM_TIMEOUT_S = 10.0  # a holder that has not answered by then is skipped (or by the handshake timeout)
 REPLY_MARGIN_S = 1.0  # the holder says "nothing held" this long before the claimer would give up
 
 
