@@ -141,10 +141,10 @@ def routing_load(r: dict, rerun: dict | None = None) -> list[str]:
               "where the queues grow, the ~1.1-1.2× prompt tokens least-loaded computes compound, and kv-aware's "
               "decode instances that run no stream prefill turns off the busy producers' queues; with little "
               "queueing TTFT follows the tokens on the critical path. One point's TTFT moves by up to ~20 % "
-              "between runs here, the ratio of two by up to ~30 %" + (": run again (bench/results/routing_load_rerun.json), least-loaded's TTFT p90 over "
-                             "kv-aware's was " + ", ".join(
-                                 f"{v}× at speedup {point['speedup']:g}" for point in rerun["points"]
-                                 for v in point["ttft_p90_over_kv_aware"].values()) if rerun else "") + "."]
+              "between runs here, the ratio of two by up to ~30 %"
+              + (": run again (bench/results/routing_load_rerun.json), least-loaded's TTFT p90 over kv-aware's was "
+                 + ", ".join(f"{v}× at speedup {point['speedup']:g}" for point in rerun["points"]
+                             for v in point["ttft_p90_over_kv_aware"].values()) if rerun else "") + "."]
     bound = [(point["speedup"], point["results"]["kv-aware"]) for point in r["points"]]
     if all(x.get("lru_bound_hit_rate") for _, x in bound):
         lines += ["", "kv-aware's hit rate over the LRU bound (target ≥ 0.9): " + ", ".join(

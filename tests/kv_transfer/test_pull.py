@@ -158,7 +158,8 @@ def test_holders_must_be_signed_by_the_deployment(world):
     p = world.instance("P", **secret)
     token = d.connector.holder()
     p.connector.consumer.check_holders((Holder.parse(token, "h"),))  # signed: accepted
-    p.connector.consumer.check_holders((Holder.parse({**token, "spare": True}, "h"),))  # the proxy's word: unsigned
+    # the proxy's word on a holder's copy is not signed
+    p.connector.consumer.check_holders((Holder.parse({**token, "spare": True}, "h"),))
     with pytest.raises(InvalidRequestError, match=r"h\.spare"):
         Holder.parse({**token, "spare": "yes"}, "h")
     forged = Holder.parse({**token, "port": token["port"] + 1}, "h")

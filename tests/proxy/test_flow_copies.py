@@ -15,8 +15,8 @@ from pdserve.health import PrefixCacheInfo
 from pdserve.proxy.copies import Copies
 from pdserve.proxy.flow import PDFlow
 from pdserve.proxy.flow import _holders as flow_holders
-from pdserve.proxy.placement import Placement
 from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.placement import Placement
 from pdserve.proxy.router import Router, UpstreamState
 
 
