@@ -113,3 +113,19 @@ def test_the_proxy_renders_chats_with_the_instances_chat_template():
     assert chat_template_args(["--num-blocks", "64", "--chat-template", "t.jinja"]) == ["--chat-template", "t.jinja"]
     assert chat_template_args(["--chat-template={{ x }}"]) == ["--chat-template", "{{ x }}"]
     assert chat_template_args(["--num-blocks", "64"]) == []
+
+
+def test_decode_instances_split_local_prefills_unless_told_otherwise(tiny_model):
+    """With producers, decode instances get --max-prefill-stall-s 0.1 before the user's arguments,
+    which win; without producers they serve whole requests and get nothing."""
+    from pdserve.cli import build_parser
+    from pdserve.launcher import role_defaults
+    parser = build_parser()
+
+    def stall(role: str, user_args: list[str], with_producers: bool = True) -> float:
+        args = ["serve", tiny_model, *role_defaults(role, with_producers), *user_args]
+        return parser.parse_args(args).max_prefill_stall_s
+
+    assert stall("decode", []) == 0.1 and stall("prefill", []) == 0.0
+    assert stall("decode", ["--max-prefill-stall-s", "0"]) == 0.0
+    assert stall("decode", [], with_producers=False) == 0.0

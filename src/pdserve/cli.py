@@ -82,6 +82,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "token and head; P/D peers convert between float dtypes and refuse other pairs")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-prefill-stall-s", type=float, default=0.0,
+                   help="while streams run here, a step prefills at most what this instance prefills in "
+                        "this long (its measured rate), so a long prompt holds their next token about this "
+                        "much per step; pdserve up gives decode instances 0.1 (0: the token budget alone)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--num-threads", type=int, default=None,
@@ -155,7 +159,8 @@ def engine_config(args) -> EngineConfig:
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  kv_pull_min_tokens=args.kv_pull_min_tokens),
+                                  kv_pull_min_tokens=args.kv_pull_min_tokens,
+                                  max_prefill_stall_s=args.max_prefill_stall_s),
         parallel=ParallelConfig(tensor_parallel_size=tp, rank_cpus=rank_cpus),
         kv_transfer=kv,
         kv_events=KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else KVEventsConfig())
@@ -360,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-args", default="", help="extra arguments for prefill instances only (after "
                    "--instance-args)")
     p.add_argument("--decode-args", default="", help="extra arguments for decode instances only, e.g. "
-                   "\"--max-num-batched-tokens 64\" to bound what a local prefill adds to a step")
+                   "\"--max-num-batched-tokens 64\" to bound what a local prefill adds to a step (they get "
+                   "--max-prefill-stall-s 0.1 first)")
     p.add_argument("--port-file", default=None, help="write the proxy's bound port here as JSON")
     p.add_argument("--proxy-args", default="", help="extra arguments for `pdserve proxy`")
     p.add_argument("--routing", default=None, choices=["round-robin", "least-loaded", "kv-aware"],

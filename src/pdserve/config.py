@@ -56,9 +56,14 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     kv_pull_min_tokens: int = 64  # a producer pulls uncached prompt blocks from a holder from this many
     # tokens on (fewer are computed: a pull's round trips cost more); 0 never pulls
+    max_prefill_stall_s: float = 0.0  # while streams run, a step prefills at most what this instance
+    # prefills in this long (its measured rate): a prompt prefilled here delays each stream's next
+    # token about this much per step, however long it is; 0: the token budget alone
 
     def __post_init__(self):
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_prefill_stall_s >= 0, "max_prefill_stall_s",
+               f"must be >= 0, got {self.max_prefill_stall_s}")
         _check(self.kv_pull_min_tokens >= 0, "kv_pull_min_tokens", f"must be >= 0, got {self.kv_pull_min_tokens}")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"must be >= 1, got {self.max_num_batched_tokens}")

@@ -22,6 +22,8 @@ class Load(msgspec.Struct, kw_only=True):
     kv_holder: dict | None = None  # signed by the instance: where producers may claim its blocks
     prefill_tokens_per_s: float = 0.0  # measured from its steps (engine/rates.py); 0: not yet
     decode_step_s: float = 0.0  # a decode-only step's duration, measured; 0: not yet
+    max_prefill_stall_s: float = 0.0  # its --max-prefill-stall-s: while streams run, a prefill here is
+    # split into steps that each hold them about this long; 0: a prefill holds them for all of it
 
 
 class EventEndpoints(msgspec.Struct, kw_only=True):

@@ -123,6 +123,16 @@ def split_cores(cores: list[int], num_instances: int) -> list[tuple[int, ...]]:
     return [(cores[i % len(cores)],) for i in range(num_instances)]
 
 
+DECODE_ARGS = ["--max-prefill-stall-s", "0.1"]  # a decode instance given a prompt to prefill (kv-aware routing
+# does, when it holds most of a conversation) splits it into steps that each hold its streams at most
+# about the proxy's stall budget (proxy/placement.py); its own --decode-args come after, and win
+
+
+def role_defaults(role: str, with_producers: bool = True) -> list[str]:
+    """What `pdserve up` gives an instance of `role` before any arguments of the user's."""
+    return list(DECODE_ARGS) if role == "decode" and with_producers else []
+
+
 def chat_template_args(instance_args: list[str]) -> list[str]:
     """`--chat-template X` as the instances were given it (either spelling), for the proxy: it
     renders chats as they do to route by the blocks the prompts fill."""
@@ -171,8 +181,8 @@ class Deployment:
             for tp, cpu in zip(tps, cpus):
                 threads = max(1, len(cpu) // tp)
                 args = ["serve", model, "--port", "0", "--tensor-parallel-size", str(tp),
-                        "--num-threads", str(threads), "--cpus", ",".join(map(str, cpu)), *extra,
-                        *(role_args or {}).get(role, [])]
+                        "--num-threads", str(threads), "--cpus", ",".join(map(str, cpu)),
+                        *role_defaults(role, bool(prefill_tp)), *extra, *(role_args or {}).get(role, [])]
                 self.instances.append(Instance(role, args, cpu))
         self.proxy_port = proxy_port
         self.proxy_host = proxy_host

@@ -307,3 +307,52 @@ def test_siblings_sharing_an_uncached_prefix_compute_it_once():
     assert s.requests["b"].num_cached_tokens == 12
     s.advance(out)
     assert s.num_prompt_tokens_computed == 14 + 3 + 14
+
+
+# --- a prefill's stall on the streams a decode instance runs ---------------------------------------
+
+def _streaming_scheduler(max_prefill_stall_s: float, rate: float = 100.0) -> Scheduler:
+    """A scheduler running one stream (a loaded consumer request), measured at `rate` prompt tokens/s."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_prefill_stall_s=max_prefill_stall_s),
+                  BlockPool(64, BLOCK_SIZE, model_key="m"))
+    s.prefill_tokens_per_s = rate
+    stream = _consumer("stream", PROMPT)
+    s.add(stream)
+    s.schedule()
+    s.load_ended(stream, TransferState.KV_LOADED)
+    return s
+
+
+def _chunk_sizes(s: Scheduler) -> dict[str, int]:
+    """One step's prompt or generated tokens per request; each chunk that samples gets its token."""
+    out = s.schedule()
+    s.advance(out)
+    for chunk in out.chunks:
+        if chunk.sample:
+            s.requests[chunk.request_id].output_token_ids.append(9)
+    return {c.request_id: len(c.token_ids) for c in out.chunks}
+
+
+def test_a_prompt_is_prefilled_beside_streams_in_steps_of_the_stall_budget():
+    s = _streaming_scheduler(0.1)  # 0.1 s at 100 tokens/s: 10 prompt tokens a step
+    s.add(Request("turn", list(range(200, 240)), SamplingParams(), (), 8))
+    assert _chunk_sizes(s) == {"stream": 1, "turn": 10}
+    assert _chunk_sizes(s) == {"stream": 1, "turn": 10}  # the stream's next token comes every step
+    s.prefill_tokens_per_s = 400.0  # measured faster: 40 a step
+    assert _chunk_sizes(s) == {"stream": 1, "turn": 20}  # the rest
+
+
+def test_without_streams_or_a_budget_a_prompt_is_prefilled_at_once():
+    s = _streaming_scheduler(0.0)
+    s.add(Request("turn", list(range(200, 240)), SamplingParams(), (), 8))
+    assert _chunk_sizes(s) == {"stream": 1, "turn": 40}
+    idle = Scheduler(SchedulerConfig(max_prefill_stall_s=0.1), BlockPool(64, BLOCK_SIZE))
+    idle.prefill_tokens_per_s = 100.0
+    idle.add(Request("turn", list(range(200, 240)), SamplingParams(), (), 8))
+    assert _chunk_sizes(idle) == {"turn": 40}  # nothing to stall
+
+
+def test_the_stall_budget_never_drops_below_a_block_a_step():
+    s = _streaming_scheduler(0.1, rate=5.0)  # half a token in 0.1 s
+    s.add(Request("turn", list(range(200, 240)), SamplingParams(), (), 8))
+    assert _chunk_sizes(s) == {"stream": 1, "turn": BLOCK_SIZE}

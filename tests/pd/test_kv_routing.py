@@ -109,3 +109,10 @@ def test_a_decode_instance_prefilling_a_prompt_itself_claims_what_another_caches
     for inst in (d0, d1):
         s = wait_idle(inst)
         assert s["num_free_blocks"] == s["num_blocks"]
+
+
+def test_decode_instances_split_a_prefill_beside_their_streams_and_say_so(pd):
+    """`pdserve up` starts decode instances with --max-prefill-stall-s 0.1 (producers run no streams);
+    each reports it in /health, where the proxy reads how long a local prefill holds the streams."""
+    assert [get_json(i.url + "/health")["load"]["max_prefill_stall_s"] for i in pd.decode] == [0.1, 0.1]
+    assert [get_json(i.url + "/health")["load"]["max_prefill_stall_s"] for i in pd.prefill] == [0.0]

@@ -98,10 +98,25 @@ def test_a_decode_instance_running_no_stream_prefills_a_long_rest_itself_while_p
     assert plan.decode[0].url == "http://d1" and plan.local and plan.decode_uncached == 256
 
 
+def test_an_idle_decode_instance_takes_a_new_prompt_off_busy_producers():
+    """Nothing cached anywhere: while a producer is idle the prompt goes there; once every producer
+    has work, a decode instance running no stream prefills it itself (a spare producer)."""
+    r = router("kv-aware", {})
+    r.decode.states[1].outstanding = 1
+    r.prefill.states[0].outstanding = 1
+    assert not place(r, PROMPT, now=0.0).local  # p1 idle
+    r.prefill.states[1].queued = 1
+    plan = place(r, PROMPT, now=60.0)
+    assert plan.local and plan.decode[0].url == "http://d0" and plan.decode_uncached == 320
+    r.decode.states[0].outstanding = 1  # a stream there: 0.32 s is past what it may wait
+    assert not place(r, PROMPT, now=120.0).local
+
+
 def test_a_stall_past_the_budget_is_taken_when_the_producers_queue_costs_the_turn_more_than_the_streams_lose():
     """d1 lacks 176 tokens: 0.176 s that its two streams would each wait, 0.35 s in all."""
     r = router("kv-aware", {"http://d1": 9})
-    r.decode.states[1].outstanding = 2
+    for d in r.decode.states:  # d0 runs streams too: it is no spare producer
+        d.outstanding = 2
     r.prefill.states[0].outstanding = 1
     assert not place(r, PROMPT, now=0.0).local  # p1 idle: the turn waits for nothing there
     r.prefill.states[1].outstanding = 1
@@ -112,13 +127,50 @@ def test_a_stall_past_the_budget_is_taken_when_the_producers_queue_costs_the_tur
     assert plan.local and plan.decode[0].url == "http://d1" and plan.decode_uncached == 176
 
 
+def test_a_decode_instance_splitting_its_prefills_takes_a_turn_longer_than_the_budget_in_steps():
+    """d1 lacks 240 tokens: 0.24 s, held at once past the 0.1 s budget, or in three steps of 0.08 s."""
+    r = router("kv-aware", {"http://d1": 5})
+    d0, d1 = r.decode.states
+    d0.outstanding = 1
+    d1.outstanding, d1.decode_step_s = 1, 0.005  # one stream on each; d1's steps take 5 ms
+    assert not place(r, PROMPT, now=0.0).local  # producers idle: no stall past the budget
+    d1.max_prefill_stall_s = 0.1  # as `pdserve up` starts decode instances: in 0.1 s steps
+    plan = place(r, PROMPT, now=60.0)
+    assert plan.local and plan.decode[0].url == "http://d1" and plan.decode_uncached == 240
+    assert plan.predicted["local_s"] == round(0.032 + 0.24 + 2 * 0.005, 4)  # its stream, the prefill, two more steps
+    d0.outstanding = d1.outstanding = 0  # no stream: nothing to split it for, a producer is idle
+    assert not place(r, PROMPT, now=120.0).local
+
+
+def test_a_decode_instance_splitting_its_prefills_still_takes_none_past_the_most_a_stream_may_wait_all_told():
+    r = router("kv-aware", {"http://d1": 2})  # 288 tokens left: 0.288 s in all
+    d1 = r.decode.states[1]
+    d1.outstanding, d1.max_prefill_stall_s = 1, 0.1
+    assert not place(r, PROMPT).local
+
+
+def test_a_claim_from_a_decode_instance_waits_for_its_step():
+    r = router("kv-aware", {"http://d1": 15})
+    d1 = r.decode.states[1]
+    d1.outstanding = 20  # busy: the turn goes to a producer, which claims d1's 240 tokens
+    before = place(r, PROMPT, now=0.0).predicted["remote_s"]
+    d1.decode_step_s = 0.3
+    plan = place(r, PROMPT, now=60.0)
+    assert not plan.local and plan.holders[0] is d1
+    assert plan.predicted["remote_s"] == round(before + 0.3, 4)
+
+
 def test_no_stall_past_the_most_a_stream_may_wait_however_long_the_producers_queue():
     r = router("kv-aware", {"http://d1": 4})  # 256 tokens left: 0.256 s for d1's stream
-    r.decode.states[1].outstanding = 1
+    for d in r.decode.states:  # and 320 for d0's
+        d.outstanding = 1
     for p in r.prefill.states:
         p.queued = 20
     plan = place(r, PROMPT)
     assert not plan.local and plan.predicted["remote_s"] > 5
+    for d in r.decode.states:  # split into steps of 0.1 s, it would still hold them 0.256 s in all
+        d.max_prefill_stall_s = 0.1
+    assert not place(r, PROMPT, now=60.0).local
 
 
 def test_a_local_prefill_counts_what_decode_can_claim_from_another_instance():
@@ -134,6 +186,7 @@ def test_another_proxys_streams_on_a_decode_instance_stall_too():
     r = router("kv-aware", {"http://d1": 4})
     for p in r.prefill.states:
         p.outstanding = 1
+    r.decode.states[0].outstanding = 1  # no spare producer either
     r.decode.states[1].others_running = 2  # its last report: two running that this proxy did not send
     assert not place(r, PROMPT, now=0.0).local
 
@@ -142,6 +195,7 @@ def test_a_local_prefill_under_way_keeps_the_next_long_one_off_that_instance():
     r = router("kv-aware", {"http://d1": 4})
     for p in r.prefill.states:
         p.outstanding = 1
+    r.decode.states[0].outstanding = 1  # d0 runs a stream: no spare producer for the whole prompt
     first = place(r, PROMPT, now=0.0)
     assert first.local
     first.decode[0].outstanding += 1  # the flow counts it while it runs (a minute on: another turn)

@@ -26,7 +26,7 @@ import httpx
 
 from pdserve.cluster import plan
 from pdserve.cluster.actors import NAMESPACE, REGISTRY, InstanceActor, Registry
-from pdserve.launcher import Instance, chat_template_args, foreground
+from pdserve.launcher import Instance, chat_template_args, foreground, role_defaults
 
 logger = logging.getLogger("pdserve.cluster")
 
@@ -128,7 +128,8 @@ class RayDeployment:
         threads = self.args.ray_threads_per_rank
         cls = self.ray.remote(InstanceActor).options(num_cpus=tp * threads, resources=self.resources[role],
                                                      max_restarts=-1, max_task_retries=0)
-        args = shlex.split(self.args.instance_args) + shlex.split(getattr(self.args, f"{role}_args"))
+        args = [*role_defaults(role), *shlex.split(self.args.instance_args),
+                *shlex.split(getattr(self.args, f"{role}_args"))]
         return cls.remote(role, self.model, tp, threads, args, self.env)
 
     def reconcile(self, wait_s: float = 1.0) -> dict:

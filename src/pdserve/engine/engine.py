@@ -345,7 +345,8 @@ class Engine:
         return Load(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                     num_waiting_for_remote_kv=len(self.scheduler.loading),
                     kv_cache_usage=1 - self.pool.num_free_blocks / self.num_blocks,
-                    num_leased_blocks=self.connector.num_leased_blocks(), kv_holder=self.connector.holder())
+                    num_leased_blocks=self.connector.num_leased_blocks(), kv_holder=self.connector.holder(),
+                    max_prefill_stall_s=self.scheduler.config.max_prefill_stall_s)
 
     def stats(self, drain: bool = False) -> dict:
         """Counts for /metrics; `drain` also hands over the connector's new per-transfer records."""

@@ -51,6 +51,7 @@ class Scheduler:
         self.num_prompt_tokens_computed = 0  # by this instance's model (not cached, not transferred)
         self.num_prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache (vLLM's)
         self.num_prefix_cache_hits = 0  # ... and found there
+        self.prefill_tokens_per_s = 0.0  # measured by the loop driving the engine (engine/rates.py)
 
     # --- admission and removal ----------------------------------------------------------------
 
@@ -91,6 +92,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self._prefill_budget()  # of those, prompt tokens (a stream's next token is not)
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequest] = []
         remote_loads: list[RemoteLoad] = []
@@ -103,6 +105,11 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            prompt = not _streaming(request)
+            if prompt:
+                num_new = min(num_new, prefill_budget)
+                if num_new == 0:
+                    continue
             while not self._grow(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -113,6 +120,7 @@ class Scheduler:
                 continue
             chunks.append(self._chunk(request, num_new, new_requests))
             budget -= num_new
+            prefill_budget -= num_new if prompt else 0
 
         deferred = []  # waiting on blocks a running request computes in this step (kept in order)
         while self.waiting and budget > 0 and not preempted:
@@ -131,15 +139,27 @@ class Scheduler:
             if self._prefix_computing(request):
                 deferred.append(self.waiting.popleft())
                 continue
-            if not self._admit(request, budget):
+            if prefill_budget == 0 or not self._admit(request, min(budget, prefill_budget)):
                 break
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, prefill_budget)
             chunks.append(self._chunk(request, num_new, new_requests))
             budget -= num_new
+            prefill_budget -= num_new
         self.waiting.extendleft(reversed(deferred))
 
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(chunks, new_requests, finished, preempted, remote_loads, remote_pulls)
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this step may compute: the step's budget, or while streams run and
+        `max_prefill_stall_s` is set, what this instance prefills in that long (at least a block),
+        so that a long prompt is prefilled over several steps, each delaying the streams' next token
+        about as long (Sarathi-Serve's stall-free batching, its budget from time rather than tokens)."""
+        budget = self.config.max_num_batched_tokens
+        stall_s = self.config.max_prefill_stall_s
+        if stall_s <= 0 or self.prefill_tokens_per_s <= 0 or not any(map(_streaming, self.running)):
+            return budget
+        return min(budget, max(self.pool.block_size, int(stall_s * self.prefill_tokens_per_s)))
 
     def advance(self, out: SchedulerOutput) -> None:
         """Record the tokens the ranks just computed."""
@@ -374,3 +394,8 @@ def _grammar_spec(request: Request) -> GrammarSpec | None:
     """The request's grammar, resumed after the tokens it already has (a P/D consumer's first)."""
     s = request.params.structured
     return None if s is None else GrammarSpec(s.kind, s.value, list(request.output_token_ids))
+
+
+def _streaming(request: Request) -> bool:
+    """Past its prompt: each step computes its next token (a stream a client is reading)."""
+    return bool(request.output_token_ids) and request.num_computed_tokens >= request.num_prompt_tokens

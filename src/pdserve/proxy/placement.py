@@ -10,23 +10,28 @@ as instances of a deployment are alike but for noise, and DEFAULT_TOKENS_PER_S b
                  + blocks D lacks moved over the fabric + D's queue / D's prefill rate
 
 A producer lacks what neither its own cache nor another instance it can pull from holds
-(kv_transfer/pull.py: worth it from PULL_MIN_TOKENS on): producers claim from each other as from
-decode, so the one with the best cache draws no more requests than the others. Prefilling on D
-instead ("local") costs (D's queue + tokens D lacks) / D's rate, where D too claims what another
-instance holds. It is allowed only when D holds part of the prompt and the prefill stalls D's
-running streams for at most STALL_BUDGET_S, or, while every producer has work, D runs none: an idle
-decode instance is then a spare producer, taking a conversation's next turn off the producers'
-queues with no stream's inter-token latency paying for it. While every producer has work, D's
-streams may also be stalled up to STALL_MAX_S when going local saves the request more time than
-they lose together (the stall times the streams). (While a producer is idle, turns stay with
-producers, whose caches then keep half the histories: copies.py.) Every queued request weighs
-as LOAD_TOKENS prompt tokens and every stream a decode instance runs as STREAM_TOKENS, so the best
-cache does not draw every request (no pile-up). Other policies ignore caches and times (policy.py).
+(kv_transfer/pull.py: worth it from PULL_MIN_TOKENS on), and a claim from a decode instance waits
+for the end of that instance's step (its measured decode step): producers claim from each other as
+from decode, so the one with the best cache draws no more requests than the others. Prefilling on
+D instead ("local") costs (D's queue + tokens D lacks) / D's rate, where D too claims what another
+instance holds. A decode instance started with --max-prefill-stall-s (as `pdserve up` starts them)
+splits a prefill beside its streams into steps that each hold them about that long; each step past
+the first also decodes them, and the request waits for it. Going local is allowed when D holds part
+of the prompt and the prefill holds D's running streams at most STALL_BUDGET_S at once and
+STALL_MAX_S all told; or, while every producer has work, for any prompt when D runs no stream (an
+idle decode instance is then a spare producer, taking work off the producers' queues with no
+stream's inter-token latency paying for it), or when it holds them at most STALL_MAX_S all told
+and going local saves the request more time than they lose together (the stall times the streams).
+(While a producer is idle, turns stay with producers, whose caches then keep half the histories:
+copies.py.) Every queued request weighs as LOAD_TOKENS prompt tokens and every stream a decode
+instance runs as STREAM_TOKENS, so the best cache does not draw every request (no pile-up). Other
+policies ignore caches and times (policy.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 
@@ -38,8 +43,9 @@ PULL_MIN_TOKENS = 64  # what a producer pulls at least (its --kv-pull-min-tokens
 DEFAULT_TOKENS_PER_S = 1000.0  # prefill rate assumed until an instance has measured its own
 TRANSFER_S_PER_BLOCK = 5e-5  # moving one block between instances (KV transfer bench: ~8 GB/s)
 REMOTE_OVERHEAD_S = 0.01  # the producer's leg: a second HTTP exchange, its step, the hand-off
-STALL_BUDGET_S = 0.1  # a local prefill may hold decode's running streams this long
-STALL_MAX_S = 0.25  # or up to this long, when the request's wait for a producer exceeds what its streams lose
+STALL_BUDGET_S = 0.1  # a local prefill may hold decode's running streams this long at once
+STALL_MAX_S = 0.25  # ... and this long all told (also when the request's wait for a producer exceeds
+# what its streams lose)
 STREAM_TOKENS = 32  # a stream a decode instance runs weighs as this many prompt tokens
 ALIKE = 2.0  # measured prefill rates within this factor of the median are noise: the median is used
 NEAR, NEAR_S = 0.1, 0.002  # predicted times within 10 % + 2 ms of the fastest count as equal
@@ -86,15 +92,23 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
     decodes = router.decode.states
     caches = [s for s in router.prefill.states + decodes if s.healthy]  # where a producer may pull from
 
-    def pullable(p: UpstreamState) -> int:  # the most another instance caches: p may claim it there
-        return max((cached.held(s) for s in caches if s is not p), default=0)
+    def holder(p: UpstreamState) -> UpstreamState | None:  # the other instance caching most: p may claim it there
+        return max((s for s in caches if s is not p), key=cached.held, default=None)
+
+    def claims(s: UpstreamState) -> UpstreamState | None:  # the holder s pulls from rather than computing
+        h = holder(s)
+        return h if h is not None and cached.held(h) - cached(s) >= PULL_MIN_TOKENS else None
 
     def have(s: UpstreamState) -> int:  # what s need not compute: its own, or what it may claim elsewhere
-        own, other = cached(s), pullable(s)
-        return other if other - own >= PULL_MIN_TOKENS else own
+        h = claims(s)
+        return cached.held(h) if h is not None else cached(s)
+
+    def claim_s(s: UpstreamState) -> float:  # a holder grants a claim at the end of its step
+        h = claims(s)
+        return h.decode_step_s if h is not None else 0.0
 
     def producer_s(p: UpstreamState) -> float:
-        return (LOAD_TOKENS * (p.outstanding + p.queued) + n - have(p)) / rate(p)
+        return (LOAD_TOKENS * (p.outstanding + p.queued) + n - have(p)) / rate(p) + claim_s(p)
 
     def decode_s(d: UpstreamState) -> float:
         lacks_blocks = -(-(n - cached(d)) // _block_size(d))
@@ -105,18 +119,23 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
     remote_s = REMOTE_OVERHEAD_S + (producer_s(prefill[0]) if prefill else float("inf")) \
         + (decode_s(remote[0]) if remote else 0)
 
-    def stall_s(d: UpstreamState) -> float:  # how long a local prefill holds d's running streams
+    def stall_s(d: UpstreamState) -> float:  # how long a local prefill holds d's running streams, all told
         return (n - have(d)) / rate(d)
 
-    def local_s(d: UpstreamState) -> float:
-        return _queue_tokens(d) / rate(d) + stall_s(d)
+    def gap_s(d: UpstreamState) -> float:  # ... at most at once: d splits it into steps while it runs streams
+        split = d.max_prefill_stall_s if d.streams() else 0.0
+        return min(stall_s(d), split) if split > 0 else stall_s(d)
+
+    def local_s(d: UpstreamState) -> float:  # each step past the first also decodes d's streams
+        steps = math.ceil(stall_s(d) / gap_s(d) - 1e-9) if gap_s(d) > 0 else 1
+        return _queue_tokens(d) / rate(d) + claim_s(d) + stall_s(d) + (steps - 1) * d.decode_step_s
     producers_busy = router.prefill.least_queued() > 0  # every healthy producer has a request in flight or queued
 
     def may_prefill(d: UpstreamState) -> bool:  # the stall its streams would pay is worth it
-        stall = stall_s(d)
-        return stall <= STALL_BUDGET_S or producers_busy and (
+        stall, gap = stall_s(d), gap_s(d)
+        return 0 < cached(d) and gap <= STALL_BUDGET_S and stall <= STALL_MAX_S or producers_busy and (
             d.streams() == 0 or stall <= STALL_MAX_S and stall * d.streams() <= remote_s - local_s(d))
-    local = [d for d in remote if d.healthy and 0 < cached(d) and may_prefill(d)]
+    local = [d for d in remote if d.healthy and may_prefill(d)]
     nearest = min(local, key=local_s, default=None)
     is_local = nearest is not None and local_s(nearest) <= remote_s
     first = nearest if is_local else (remote[0] if remote else None)

@@ -43,6 +43,8 @@ class UpstreamState:
     engine_id: str = ""  # as its last report said (a restarted instance is a new engine)
     prefix_cache: PrefixCacheInfo | None = None  # how it hashes blocks (for the KV index)
     prefill_tokens_per_s: float = 0.0  # as it measured its own steps (0: not yet)
+    decode_step_s: float = 0.0  # ... a step that only decodes (0: not yet)
+    max_prefill_stall_s: float = 0.0  # how long one step of a prefill there holds its streams (0: all of it)
     computing: dict = dataclasses.field(default_factory=dict)  # block hash -> until when this proxy
     # expects the instance to be computing that block of a prompt it placed there (placement.py)
     last_probe: float = 0.0
@@ -141,6 +143,8 @@ class Pool:
                 state.engine_id = report.engine_id
                 state.prefix_cache = report.prefix_cache
                 state.prefill_tokens_per_s = load.prefill_tokens_per_s
+                state.decode_step_s = load.decode_step_s
+                state.max_prefill_stall_s = load.max_prefill_stall_s
                 state.waiting = load.num_waiting
                 state.others_running = max(0, load.num_running - state.outstanding)
                 state.queued = load.num_waiting + load.num_waiting_for_remote_kv

@@ -214,6 +214,7 @@ class AsyncEngine:
             outputs = engine.step()
             self.rates.observe(engine.scheduler.num_prompt_tokens_computed - computed,
                                len(engine.scheduler.running), time.monotonic() - start)
+            engine.scheduler.prefill_tokens_per_s = self.rates.prefill_tokens_per_s  # its stall budget's
             if outputs:
                 self._dispatch(outputs)
             self._publish()
