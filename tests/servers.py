@@ -53,17 +53,32 @@ def wait_idle(inst: Instance, timeout_s: float = 20.0) -> dict:
         time.sleep(0.05)
 
 
+def _metrics(inst: Instance) -> str:
+    with urllib.request.urlopen(inst.url + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
 def metric(inst: Instance, name: str) -> float:
     """Sum of a Prometheus metric's samples (all label sets)."""
-    with urllib.request.urlopen(inst.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
     total, found = 0.0, False
-    for line in text.splitlines():
+    for line in _metrics(inst).splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
             found = True
     assert found, f"metric {name} not exported"
     return total
+
+
+def pd_decisions(proxy: Instance) -> dict[str, int]:
+    """The proxy's `pd_decisions` counter by decision (local, remote), each it has counted."""
+    prefix = 'pdserve_proxy:pd_decisions_total{decision="'
+    out = {}
+    for line in _metrics(proxy).splitlines():
+        if line.startswith(prefix):
+            decision, value = line[len(prefix):].split('"} ')
+            if float(value):
+                out[decision] = int(float(value))
+    return out
 
 
 INSTANCE_ARGS = ["--num-blocks", str(NUM_BLOCKS), "--enable-debug-endpoints",

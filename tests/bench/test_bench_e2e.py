@@ -4,13 +4,11 @@ vLLM's fields, the sweep starts and stops its deployments and writes its table a
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 
-import httpx
 from pdserve.launcher import Deployment
-from servers import INSTANCE_ARGS
+from servers import INSTANCE_ARGS, pd_decisions
 
 WORKLOAD = ["--dataset-name", "mixed", "--num-prompts", "12", "--random-input-len", "32",
             "--mixed-long-len", "400", "--random-output-len", "8", "--seed", "5",
@@ -28,11 +26,7 @@ def test_bench_serve_against_pdserve_up(tiny_model, tmp_path):
                     "--save-result", "--result-dir", str(tmp_path), "--result-filename", "out.json")
         assert r.returncode == 0, r.stderr[-2000:]
         assert "Serving Benchmark Result" in r.stdout and "Request goodput" in r.stdout
-        counted = {}  # what the proxy counted: the bench's labels are its X-PD-Decision headers
-        for line in httpx.get(f"{dep.proxy.url}/metrics", timeout=10).text.splitlines():
-            m = re.match(r'pdserve_proxy:pd_decisions_total\{decision="(\w+)"\} (\S+)', line)
-            if m and float(m[2]):
-                counted[m[1]] = int(float(m[2]))
+        counted = pd_decisions(dep.proxy)  # the bench's labels are the proxy's X-PD-Decision headers
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["completed"] == 12 and out["failed"] == 0 and out["model_id"] == "tiny"
     # the proxy's label on each request; the one decode instance, idle while the producer works, may

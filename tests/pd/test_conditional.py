@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from helpers import assert_greedy_match, hf_reference, ids
-from servers import metric, start_deployment, wait_idle
+from servers import metric, pd_decisions, start_deployment, wait_idle
 
 LOCAL_MAX = 64
 MAX_TOKENS = 8
@@ -29,12 +29,6 @@ def pd(tiny_model, tmp_path_factory):
 
 def _counters(decode) -> tuple[float, float]:
     return metric(decode, "pdserve:kv_transfers_total"), metric(decode, "pdserve:prompt_tokens_computed_total")
-
-
-def _decisions(proxy, decision: str) -> float:
-    text = httpx.get(proxy.url + "/metrics", timeout=10).text
-    line = f'pdserve_proxy:pd_decisions_total{{decision="{decision}"}} '
-    return next((float(x[len(line):]) for x in text.splitlines() if x.startswith(line)), 0.0)
 
 
 def _ask(proxy, prompt: list[int], stream: bool) -> tuple[str, list[int]]:
@@ -56,24 +50,24 @@ def _ask(proxy, prompt: list[int], stream: bool) -> tuple[str, list[int]]:
 def test_decode_prefills_a_short_prompt_itself(pd, stream):
     decode, p = pd.decode[0], ids(LOCAL_MAX - 4, seed=50 + stream)
     transfers, computed = _counters(decode)
-    before = _decisions(pd.proxy, "local")
+    before = pd_decisions(pd.proxy).get("local", 0)
     decision, tokens = _ask(pd.proxy, p, stream)
     assert decision == "local"
     assert_greedy_match(tokens, hf_reference(pd.model, p, MAX_TOKENS), "short prompt, local")
     assert _counters(decode) == (transfers, computed + len(p))  # no READ: decode computed the prompt
-    assert _decisions(pd.proxy, "local") == before + 1
+    assert pd_decisions(pd.proxy).get("local", 0) == before + 1
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_long_prompt_is_prefilled_by_the_producer_and_read(pd, stream):
     decode, p = pd.decode[0], ids(3 * LOCAL_MAX, seed=40 + stream)
     transfers, computed = _counters(decode)
-    before = _decisions(pd.proxy, "remote")
+    before = pd_decisions(pd.proxy).get("remote", 0)
     decision, tokens = _ask(pd.proxy, p, stream)
     assert decision == "remote"
     assert_greedy_match(tokens, hf_reference(pd.model, p, MAX_TOKENS), "long prompt, remote")
     assert _counters(decode) == (transfers + 1, computed)  # one READ; decode computed no prompt token
-    assert _decisions(pd.proxy, "remote") == before + 1
+    assert pd_decisions(pd.proxy).get("remote", 0) == before + 1
     for inst in pd.instances:
         s = wait_idle(inst)
         assert s["num_free_blocks"] == s["num_blocks"], inst.role
