@@ -127,8 +127,9 @@ def place(router: Router, ids: list[int] | None, cache_salt=None, now: float | N
         return min(stall_s(d), split) if split > 0 else stall_s(d)
 
     def local_s(d: UpstreamState) -> float:  # each step past the first also decodes d's streams
-        steps = math.ceil(stall_s(d) / gap_s(d) - 1e-9) if gap_s(d) > 0 else 1
-        return _queue_tokens(d) / rate(d) + claim_s(d) + stall_s(d) + (steps - 1) * d.decode_step_s
+        stall, gap = stall_s(d), gap_s(d)
+        steps = math.ceil(stall / gap - 1e-9) if gap > 0 else 1
+        return _queue_tokens(d) / rate(d) + claim_s(d) + stall + (steps - 1) * d.decode_step_s
     producers_busy = router.prefill.least_queued() > 0  # every healthy producer has a request in flight or queued
 
     def may_prefill(d: UpstreamState) -> bool:  # the stall its streams would pay is worth it
